@@ -1,0 +1,5 @@
+"Every public name of fastai_fp16; importing it also adds `Learner.to_half` / `Learner.to_float`."
+from .core import *
+from .scaler import *
+from .callbacks import *
+from .learner import *
