@@ -158,6 +158,14 @@ def _split_state(state:dict, params:list)->list:
         for d,x,p in zip(per, parts, params): d[k] = x.view_as(p).clone() if k in flat else x
     return per
 
+def _partition(params:list, state:dict)->list:
+    "`params` split by their non-tensor optimizer state (`do_wd`, `force_train`...), which a flat buffer must share"
+    parts = {}
+    for p in params:
+        key = tuple(sorted((k, repr(v)) for k,v in state.get(p, {}).items() if not isinstance(v, torch.Tensor)))
+        parts.setdefault(key, []).append(p)
+    return list(parts.values())
+
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
@@ -211,18 +219,22 @@ class MixedPrecision(Callback):
             frozen = [p for p in pg if not p.requires_grad]
             if not self.master_weights:
                 self._groups.append((params, params)); new_lists.append(L(pg)); continue
-            _, masters = prep_param_lists(params, self.flat_master, [mth.fp32_value(p) for p in params])
             if self.flat_master:
-                if params: opt.state[masters[0]] = _flat_state([opt.state.pop(p, {}) for p in params], params)
-                new_lists.append(L(masters[:1] if params else []) + L(frozen))
-                mth.set_source(params, masters[0]._views)
+                flats = []
+                for part in _partition(params, opt.state):  # one buffer per group and per-param option (do_wd...)
+                    _, (flat,) = prep_param_lists(part, True, [mth.fp32_value(p) for p in part])
+                    opt.state[flat] = _flat_state([opt.state.pop(p, {}) for p in part], part)
+                    mth.set_source(part, flat._views)
+                    self._groups.append((part, [flat])); flats.append(flat)
+                new_lists.append(L(flats) + L(frozen))
             else:
+                _, masters = prep_param_lists(params, False, [mth.fp32_value(p) for p in params])
                 for p,m in zip(params, masters):
                     if m is not p: opt.state[m] = _cast_state(opt.state.pop(p, {}), torch.float32)
                 it = iter(masters)
                 new_lists.append(L(next(it) if p.requires_grad else p for p in pg))
                 mth.set_source(params, masters)
-            self._groups.append((params, masters))
+                self._groups.append((params, masters))
         opt.param_lists = new_lists
         # model params whose grads the optimizer no longer zeroes (all but those that are their own master)
         self._zero = [p for ps,ms in self._groups for p,m in zip(ps, ps if self.flat_master else ms) if self.flat_master or m is not p]
@@ -289,9 +301,9 @@ class MixedPrecision(Callback):
         "The optimizer back on the model's own params with their state (fp32 again); run state dropped"
         opt = self.learn.opt if self.learn is not None else None
         if getattr(self, '_ready', False) and opt is not None:
-            for (params,masters),pg in zip(self._groups, self._old_lists):
+            for params,masters in self._groups:
                 if not self.master_weights: states = [opt.state.pop(p, {}) for p in params]
-                elif self.flat_master: states = _split_state(opt.state.pop(masters[0], {}), params) if params else []
+                elif self.flat_master: states = _split_state(opt.state.pop(masters[0], {}), params)
                 else: states = [opt.state.pop(m, {}) for m in masters]
                 for p,s in zip(params, states): opt.state[p] = _cast_state(s, torch.float32)
             opt.param_lists = self._old_lists
@@ -303,11 +315,8 @@ class MixedPrecision(Callback):
         "The optimizer's `state_dict` as if it held the model's params (per param, fp32), plus the scaler state"
         opt = self.learn.opt
         if self.active and self.flat_master:
-            state = []
-            for (params,masters),pg in zip(self._groups, self._old_lists):
-                per = dict(zip(map(id, params), _split_state(opt.state.get(masters[0], {}), params) if params else []))
-                state += [per.get(id(p), opt.state.get(p, {})) for p in pg]
-            sd = {'state': state, 'hypers': opt.hypers}
+            per = {id(p): s for ps,(m,) in self._groups for p,s in zip(ps, _split_state(opt.state.get(m, {}), ps))}
+            sd = {'state': [per.get(id(p), opt.state.get(p, {})) for pg in self._old_lists for p in pg], 'hypers': opt.hypers}
         else: sd = type(opt).state_dict(opt)
         return {**sd, 'mixed_precision': self.state_dict()}
 

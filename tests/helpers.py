@@ -1,0 +1,29 @@
+"Small models, data and spy callbacks shared by the tests"
+import torch, torch.nn as nn
+from fastai.learner import Learner
+from fastai.data.core import DataLoaders
+from fastai.callback.core import Callback
+from fastai_fp16.all import *
+
+def dls_from(x, y, bs=16, n_valid=16):
+    ds = list(zip(x, y))
+    return DataLoaders.from_dsets(ds[:-n_valid], ds[-n_valid:], bs=bs, shuffle=False, device='cpu')
+
+def params(learn): return [p.detach().clone() for p in learn.model.parameters()]
+
+def fp32_everywhere(learn):
+    return {t.dtype for t in list(learn.model.parameters()) + list(learn.model.buffers()) if t.is_floating_point()} == {torch.float32}
+
+def opt_on_model(learn):
+    return [id(p) for p in learn.opt.all_params().itemgot(0)] == [id(p) for p in learn.model.parameters()]
+
+class StepSpy(Callback):
+    "Records, per training batch, whether the optimizer step ran and the master grads' global norm before it"
+    order = 15  # after MixedPrecision.before_step, before the step
+    def before_fit(self): self.norms, self.steps, self.batches = [], 0, 0
+    def before_batch(self):
+        if self.training: self.batches += 1
+    def before_step(self):
+        gs = [p.grad for p in self.opt.all_params(with_grad=True).itemgot(0)]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs])).item())
+        self.steps += 1

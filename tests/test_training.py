@@ -1,0 +1,94 @@
+"Issue 2: the callbacks inside real fits"
+import torch, torch.nn as nn, pytest
+from sklearn.datasets import load_digits
+from fastai.learner import Learner
+from fastai.optimizer import SGD, Adam
+from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy
+from fastai_fp16.all import *
+from helpers import *
+
+def test_nvidia_recipe_equals_learner():
+    "The recipe by hand (fp16 Linear, fp32 master, static scale 128, SGD) and our callbacks give the same weights"
+    N, D_in, D_out, lr, steps = 64, 32, 16, 1e-2, 10
+    x, y = torch.randn(N, D_in).half().float(), torch.randn(N, D_out).half().float()
+    lin = nn.Linear(D_in, D_out)
+    with torch.no_grad():
+        for p in lin.parameters(): p.copy_(p.half().float())  # so both start from the same masters
+    ref = nn.Linear(D_in, D_out).half(); ref.load_state_dict(lin.state_dict())
+    model_params, master_params = prep_param_lists(ref)
+    opt = torch.optim.SGD(master_params, lr=lr)
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(ref(x.half()).float(), y)
+        ref.zero_grad()
+        (loss*128.).backward()
+        model_grads_to_master_grads(model_params, master_params)
+        for p in master_params: p.grad.mul_(1./128)
+        opt.step()
+        master_params_to_model_params(model_params, master_params)
+    learn = Learner(dls_from(torch.cat([x, x[:16]]), torch.cat([y, y[:16]]), bs=N), lin, loss_func=nn.MSELoss(), opt_func=SGD)
+    learn.to_half(init_scale=128, dynamic=False)
+    learn.fit(steps, lr)
+    assert learn.mixed_precision.scales == [128.]*steps
+    for a, b in zip(learn.model.parameters(), master_params): assert torch.equal(a, b)
+
+def test_flat_and_per_param_masters_agree():
+    res = []
+    for flat in (False, True):
+        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam).to_half(flat_master=flat)
+        learn.fit(2, 1e-2)
+        res.append(params(learn))
+    for a, b in zip(*res): assert torch.equal(a, b)
+
+def test_growth_after_interval():
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss()).to_half(init_scale=4., growth_interval=2)
+    learn.fit(1, 1e-3)
+    assert learn.mixed_precision.scales == [4., 4., 8., 8., 16., 16.]
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_clip_bounds_master_grad_norm(flat):
+    spy = StepSpy()
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half(clip=0.05, flat_master=flat)
+    learn.fit(1, 1e-2)
+    assert spy.steps + learn.mixed_precision.skipped == 6 and spy.steps >= 4
+    assert max(spy.norms) <= 0.05 * (1 + 1e-4)
+    spy2 = StepSpy()
+    Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half(flat_master=flat).fit(1, 1e-2)
+    assert max(spy2.norms) > 0.05  # so the clip did something
+
+def test_after_fit_state():
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam).to_half()
+    learn.fit(1, 1e-2)
+    assert fp32_everywhere(learn) and opt_on_model(learn)
+    for cb in (learn.model_to_half, learn.mixed_precision):
+        assert not (set(cb._stateattrs) - {'scales'}) & set(cb.__dict__), cb
+    assert not learn.model._state_dict_hooks  # the checkpoint hook is gone
+
+def test_loss_decreases_on_digits():
+    "A real small task (scikit-learn's digits) in fp16 with fp32 masters learns"
+    d = load_digits()
+    x, y = torch.tensor(d.data, dtype=torch.float32)/16, torch.tensor(d.target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+    learn = Learner(dls_from(x, y, bs=64, n_valid=297), model, loss_func=CrossEntropyLossFlat(), metrics=accuracy).to_half()
+    before = learn.validate()[0]
+    learn.fit(3, 1e-2)
+    loss, acc = learn.validate()
+    assert loss < before/3 and acc > 0.85, (before, loss, acc)
+
+def test_bf16_conv_net_trains():
+    x, y = torch.rand(48, 3, 16, 16), torch.randint(0, 2, (48,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    learn = Learner(dls_from(x, y, bs=8), model, loss_func=CrossEntropyLossFlat()).to_half(torch.bfloat16)
+    w = params(learn)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 0 and fp32_everywhere(learn)
+    assert any(not torch.equal(a, b) for a, b in zip(w, params(learn)))
+
+def test_fp16_conv_on_cpu_warns():
+    ModelToHalf._warned_cpu_conv = False
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.rand(1, 3, 6, 6))
+    learn = Learner(dls_from(torch.rand(24, 3, 6, 6), torch.randint(0, 2, (24,)), bs=8, n_valid=8), model, loss_func=CrossEntropyLossFlat()).to_half()
+    with pytest.warns(UserWarning, match='bf16'): learn.fit(1, 1e-3)
