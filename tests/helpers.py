@@ -27,3 +27,16 @@ class StepSpy(Callback):
         gs = [p.grad for p in self.opt.all_params(with_grad=True).itemgot(0)]
         self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs])).item())
         self.steps += 1
+
+class Item:
+    "Picklable transform: index -> row of `t` (for DataLoaders that `learn.export` can save)"
+    def __init__(self, t): self.t = t
+    def __call__(self, i): return self.t[i]
+
+def exportable_dls(n=64, bs=16, seed=0):
+    from fastai.data.core import Datasets
+    from fastai.data.transforms import IndexSplitter
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g); y = x @ torch.randn(4, 2, generator=g)
+    dsets = Datasets(list(range(n)), [[Item(x)], [Item(y)]], splits=IndexSplitter(list(range(n*3//4, n)))(range(n)))
+    return dsets.dataloaders(bs=bs, shuffle=False, device='cpu')

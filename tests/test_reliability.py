@@ -1,0 +1,156 @@
+"Issue 3: faults, bad input, wrong use, checkpoints and export"
+import torch, torch.nn as nn, pytest, tempfile
+from pathlib import Path
+from fastai.learner import Learner, load_learner
+from fastai.optimizer import SGD, Adam, OptimWrapper
+from fastai.callback.core import Callback
+from fastai.callback.tracker import SaveModelCallback
+from fastai_fp16.all import *
+from helpers import *
+
+class Snap(Callback):
+    "Weights before and after training batch `at`, and the masters after every step"
+    order = 100
+    def __init__(self, at): self.at = at
+    def before_batch(self):
+        if self.training and self.iter == self.at: self.before = params(self.learn)
+    def after_batch(self):
+        if self.training and self.iter == self.at: self.after = params(self.learn)
+    def after_step(self): self.masters = [self.model_to_half.fp32_value(p).clone() for p in self.model.parameters()]
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_nan_batch_is_skipped(flat):
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[16:24] = float('nan')  # the third training batch
+    snap = Snap(2)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256., flat_master=flat)
+    learn.fit(1, 1e-2)
+    mp = learn.mixed_precision
+    assert mp.skipped == 1 and mp.loss_scale == 256.          # skipped, and the scale not blamed
+    for a, b in zip(snap.before, snap.after): assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(snap.after, params(learn)))  # later batches trained
+
+def _usable(learn):
+    assert fp32_everywhere(learn) and opt_on_model(learn)
+    learn.fit(1, 1e-3)
+    assert fp32_everywhere(learn)
+
+def test_scale_collapse_raises_clear_error():
+    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half()
+    with pytest.raises(LossScaleError, match='minimum loss scale') as e: learn.fit(1, 1e-2)
+    assert 'bf16' in str(e.value) and 'learning rate' in str(e.value)
+    assert learn.mixed_precision.skipped == 17
+    learn.loss_func = nn.MSELoss(); _usable(learn)
+
+def test_consecutive_skips_raise():
+    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half(init_scale=4., dynamic=False, max_consecutive_skips=5)
+    with pytest.raises(LossScaleError, match='5 optimizer steps in a row'): learn.fit(1, 1e-2)
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_exception_mid_fit_leaves_learner_usable(flat):
+    class Boom(Callback):
+        def after_loss(self):
+            if self.training and self.iter == 3: raise RuntimeError('boom')
+    snap = Snap(-1)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=[Boom(), snap]).to_half(init_scale=256., flat_master=flat)
+    with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
+    got = torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()])
+    assert torch.equal(got, torch.cat([m.reshape(-1) for m in snap.masters]))  # the model holds the masters' values
+    assert all(learn.opt.state[p].get('grad_avg') is not None for p in learn.model.parameters())
+    assert not learn.model._state_dict_hooks
+    learn.remove_cb(Boom); _usable(learn)
+
+class MultiIO(nn.Module):
+    "Float features, integer ids and a bool mask in; a dict and a tuple out; a float buffer that never changes"
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 2)
+        self.register_buffer('const', torch.linspace(0, 1, 4) + 1e-4)
+        self.seen = []
+    def forward(self, x, ids, mask):
+        self.seen.append((x.dtype, ids.dtype, mask.dtype))
+        h = (x + self.emb(ids) * self.const) * mask[:, None]
+        return {'out': self.lin(h), 'aux': (h.sum(1),)}
+
+def test_nested_inputs_and_outputs():
+    n = 48
+    ds = [((torch.randn(4), torch.randint(0, 10, ()), torch.rand(()) > .2), torch.randn(2)) for _ in range(n)]
+    from fastai.data.core import DataLoaders
+    dls = DataLoaders.from_dsets(ds[:32], ds[32:], bs=8, shuffle=False, device='cpu')
+    dls.n_inp = 1
+    seen = []
+    def loss(pred, y):
+        seen.append((pred['out'].dtype, pred['aux'][0].dtype))
+        return nn.functional.mse_loss(pred['out'], y)
+    model = MultiIO(); const = model.const.clone()
+    class Unpack(Callback):
+        order = 5
+        def before_batch(self): self.learn.xb = self.xb[0]
+    learn = Learner(dls, model, loss_func=loss, cbs=Unpack()).to_half()
+    learn.fit(1, 1e-2)
+    assert set(model.seen) == {(torch.float16, torch.long, torch.bool)}
+    assert set(seen) == {(torch.float32, torch.float32)}
+    assert torch.equal(model.const, const) and model.const.dtype == torch.float32
+
+def test_frozen_params_and_discriminative_lrs():
+    m = tiny_model(bn=False)
+    groups = [list(m[0].parameters()), list(m[3].parameters())]
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=SGD, splitter=lambda _: groups).to_half()
+    w0 = params(learn)
+    learn.fit(1, lr=[0., 1e-2])   # group 0 at lr 0 must not move, not even by a rounding
+    w1 = params(learn)
+    assert all(torch.equal(a, b) for a, b in zip(w0[:2], w1[:2])) and not torch.equal(w0[2], w1[2])
+    m[3].weight.requires_grad_(False)
+    learn.fit(1, lr=1e-2)
+    assert torch.equal(m[3].weight, w1[2]) and not torch.equal(m[0].weight, w1[0])
+
+def test_wrong_use_is_caught_at_before_fit():
+    m = tiny_model()
+    m[3].bias = nn.Parameter(torch.zeros(2, device='meta'))
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss()).to_half()
+    with pytest.raises(ValueError, match='needs the model on one device'): learn.fit(1)
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=lambda p, lr: OptimWrapper(p, torch.optim.SGD, lr=lr)).to_half()
+    with pytest.raises(TypeError, match="not `OptimWrapper`"): learn.fit(1)
+    assert fp32_everywhere(learn)
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    learn.add_cb(ModelToHalf())
+    with pytest.raises(ValueError, match='more than once'): learn.fit(1)
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_resume_from_save_model_callback(flat):
+    tmp = Path(tempfile.mkdtemp())
+    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp).to_half(flat_master=flat, growth_interval=4)
+    a = mk()
+    a.fit(3, 1e-2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
+    sd = torch.load(tmp/'models/model_0.pth', weights_only=False)
+    assert {v.dtype for v in sd['model'].values() if v.is_floating_point()} == {torch.float32}
+    assert any((v != v.half().float()).any() for v in sd['model'].values() if v.is_floating_point())  # not fp16-rounded
+    b = mk(); b.load('model_0')
+    b.fit(3, 1e-2, start_epoch=1)
+    for x, y in zip(params(a), params(b)): assert torch.equal(x, y)
+    assert a.mixed_precision.state_dict() == b.mixed_precision.state_dict()
+
+def test_load_during_fit_is_refused():
+    tmp = Path(tempfile.mkdtemp())
+    class Loader(Callback):
+        def after_epoch(self): self.learn.load('w')
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half()
+    learn.save('w')
+    with pytest.raises(RuntimeError, match='middle of a half-precision fit'): learn.fit(1, cbs=Loader())
+    assert fp32_everywhere(learn)
+
+def test_export_and_load_learner():
+    tmp = Path(tempfile.mkdtemp())
+    learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half()
+    learn.fit(1, 1e-2)
+    preds = learn.get_preds()[0]
+    learn.export('e.pkl')
+    new = load_learner(tmp/'e.pkl')
+    assert fp32_everywhere(new)
+    for cb in new.cbs:
+        for v in cb.__dict__.values(): assert not (isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16))
+        assert not set(getattr(cb, '_stateattrs', ())) & set(cb.__dict__)
+    new.dls = learn.dls
+    assert torch.equal(new.get_preds()[0], preds)
+    assert all(torch.equal(a, b) for a, b in zip(new.model.parameters(), learn.model.parameters()))
