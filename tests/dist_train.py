@@ -1,0 +1,28 @@
+"Run with `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR`: 2 CPU processes (gloo), a NaN on rank 1 only."
+import sys, torch, torch.nn as nn
+from pathlib import Path
+from fastai.learner import Learner
+from fastai.optimizer import Adam
+from fastai.callback.core import Callback
+from fastai.distributed import DistributedDL, rank_distrib
+from fastai_fp16.all import *
+
+def _broadcast_cpu(self, t, rank):
+    "fastai 2.8.7 moves these indices through `.cuda()`; gloo works on CPU tensors"
+    t = torch.LongTensor(t)
+    torch.distributed.broadcast(t, rank)
+    return t.tolist()
+DistributedDL._broadcast = _broadcast_cpu
+
+class NaNOnRank1(Callback):
+    order = 11  # after MixedPrecision cast the batch
+    def before_batch(self):
+        if self.training and self.iter == 2 and rank_distrib() == 1: self.learn.xb = (self.xb[0] * float('nan'),)
+
+out = Path(sys.argv[1])
+learn = Learner(synth_dls(n=128, bs=16), tiny_model(bn=False), loss_func=nn.MSELoss(), opt_func=Adam, cbs=NaNOnRank1())
+learn.to_half(init_scale=256., growth_interval=3)
+with learn.distrib_ctx(sync_bn=False): learn.fit(2, 1e-2)
+mp = learn.mixed_precision
+torch.save({'params': [p.detach() for p in learn.model.parameters()], 'scale': mp.loss_scale, 'skipped': mp.skipped,
+            'scales': list(mp.scales), 'dtypes': {p.dtype for p in learn.model.parameters()}}, out/f'rank{rank_distrib()}.pt')
