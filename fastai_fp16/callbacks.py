@@ -6,17 +6,17 @@
 from __future__ import annotations
 import warnings
 import torch, torch.nn as nn
+from torch import Tensor
 import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
 from fastai.optimizer import Optimizer
-from fastai.data.core import DataLoaders
 from .core import *
 from .scaler import *
 
 # %% auto #0
-__all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'MixedPrecision', 'synth_dls', 'tiny_model']
+__all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'ChannelsLast', 'MixedPrecision']
 
 # %% ../nbs/02_callbacks.ipynb #39118875
 def _find_cb(learn, cls):
@@ -120,6 +120,18 @@ class BatchNormToFloat(Callback):
         mth.restore([t for m in self.learn.model.modules() if isinstance(m, keep) for t in module_tensors(m)])
 
 # %% ../nbs/02_callbacks.ipynb #8d760a16
+def _cl(x):
+    if isinstance(x, Tensor): return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and x.is_floating_point() else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, '_fields'): return type(x)(_cl(o) for o in x)
+    return x
+
+class ChannelsLast(Callback):
+    "Model and 4-d input batches in `torch.channels_last` memory format for the fit"
+    order = ModelToHalf.order - 10  # before ModelToHalf: the fp32 values it keeps (our masters) are channels_last too
+    def before_fit(self): self.learn.model.to(memory_format=torch.channels_last)
+    def before_batch(self): self.learn.xb = _cl(self.xb)
+
+# %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):
     "Clear errors for the ways to misuse the callbacks, before anything is converted"
     n = {c.__name__: len([cb for cb in learn.cbs if isinstance(cb, c)]) for c in (ModelToHalf, BatchNormToFloat, MixedPrecision)}
@@ -135,7 +147,7 @@ def _check_setup(learn):
         raise TypeError(f"MixedPrecision steps fp32 master weights through fastai's `Optimizer`, but `learn.opt` is a "
                         f"{type(opt).__name__}. Use a fastai optimizer (`opt_func=Adam`, `SGD`, ...), not `OptimWrapper`.")
 
-# %% ../nbs/02_callbacks.ipynb #623c694e
+# %% ../nbs/02_callbacks.ipynb #4e07e4b9
 def _cast_state(state:dict, dtype)->dict:
     return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k,v in state.items()}
 
@@ -321,17 +333,3 @@ class MixedPrecision(Callback):
             sd = {'state': [per.get(id(p), opt.state.get(p, {})) for pg in self._old_lists for p in pg], 'hypers': opt.hypers}
         else: sd = type(opt).state_dict(opt)
         return {**sd, 'mixed_precision': self.state_dict()}
-
-# %% ../nbs/02_callbacks.ipynb #4e07e4b9
-def synth_dls(n:int=64, bs:int=16, n_in:int=4, n_out:int=2, seed:int=0, device='cpu')->DataLoaders:
-    "A small random linear regression task as fastai `DataLoaders` (for tests and demos)"
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, n_in, generator=g)
-    y = x @ torch.randn(n_in, n_out, generator=g) + 0.1*torch.randn(n, n_out, generator=g)
-    ds = list(zip(x, y))
-    return DataLoaders.from_dsets(ds[:n*3//4], ds[n*3//4:], bs=bs, shuffle=False, device=device)
-
-def tiny_model(n_in:int=4, n_out:int=2, bn:bool=True, seed:int=0)->nn.Module:
-    "Linear-BatchNorm-ReLU-Linear (for tests and demos)"
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(n_in,8), nn.BatchNorm1d(8) if bn else nn.Identity(), nn.ReLU(), nn.Linear(8,n_out))

@@ -9,10 +9,12 @@ from typing import Iterable
 import torch, torch.nn as nn
 from torch import Tensor
 from fastcore.foundation import L
+from fastai.data.core import DataLoaders
 
 # %% auto #0
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'cast_floats', 'make_flat_master',
-           'prep_param_lists', 'model_grads_to_master_grads', 'master_params_to_model_params', 'unscale_grads_']
+           'prep_param_lists', 'model_grads_to_master_grads', 'master_params_to_model_params', 'unscale_grads_',
+           'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -147,3 +149,17 @@ def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtype
     for g in grads: by_dtype.setdefault(g.dtype, []).append(g)
     for gs in by_dtype.values(): torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv_scale)
     return found_inf
+
+# %% ../nbs/00_core.ipynb #3daee561
+def synth_dls(n:int=64, bs:int=16, n_in:int=4, n_out:int=2, seed:int=0, device='cpu')->DataLoaders:
+    "A small random linear regression task as fastai `DataLoaders` (for tests and demos)"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=g)
+    y = x @ torch.randn(n_in, n_out, generator=g) + 0.1*torch.randn(n, n_out, generator=g)
+    ds = list(zip(x, y))
+    return DataLoaders.from_dsets(ds[:n*3//4], ds[n*3//4:], bs=bs, shuffle=False, device=device)
+
+def tiny_model(n_in:int=4, n_out:int=2, bn:bool=True, seed:int=0)->nn.Module:
+    "Linear-BatchNorm-ReLU-Linear (for tests and demos)"
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(n_in,8), nn.BatchNorm1d(8) if bn else nn.Identity(), nn.ReLU(), nn.Linear(8,n_out))
