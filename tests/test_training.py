@@ -92,3 +92,32 @@ def test_fp16_conv_on_cpu_warns():
     model(torch.rand(1, 3, 6, 6))
     learn = Learner(dls_from(torch.rand(24, 3, 6, 6), torch.randint(0, 2, (24,)), bs=8, n_valid=8), model, loss_func=CrossEntropyLossFlat()).to_half()
     with pytest.warns(UserWarning, match='bf16'): learn.fit(1, 1e-3)
+
+def test_recorded_loss_is_unscaled():
+    class LossSpy(Callback):
+        order = 100
+        def before_fit(self): self.losses = []
+        def after_batch(self):
+            if self.training: self.losses.append(self.learn.loss.item())
+    runs = []
+    for half in (False, True):
+        spy = LossSpy()
+        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=spy)
+        if half: learn.to_half(init_scale=2.**10, dynamic=False)
+        learn.fit(1, 1e-2)
+        runs.append((spy.losses, learn.recorder.losses[-1].item()))
+    (l32, r32), (l16, r16) = runs
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(l32, l16)), (l32, l16)  # same magnitude, not x1024
+    assert abs(r32 - r16) < 0.05 * r32
+
+def test_non_affine_batchnorm_stays_fp32():
+    class Seen(Callback):
+        order = 15
+        def before_step(self): self.dtypes = (self.model[1].running_var.dtype, self.model[1].weight)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, affine=False), nn.ReLU(), nn.Linear(8, 2))
+    rv = model[1].running_var.clone()
+    seen = Seen()
+    learn = Learner(synth_dls(), model, loss_func=nn.MSELoss(), cbs=seen).to_half()
+    learn.fit(1, 1e-2)
+    assert seen.dtypes == (torch.float32, None)
+    assert model[1].running_var.dtype == torch.float32 and not torch.equal(model[1].running_var, rv)
