@@ -3,3 +3,7 @@ from .core import *
 from .scaler import *
 from .callbacks import *
 from .learner import *
+from .data import *
+from .experiments import *
+from .monitor import *
+from .bench import *

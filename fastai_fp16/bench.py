@@ -17,7 +17,7 @@ from fastai.optimizer import SGD
 from fastai.torch_core import to_float
 import fastai.callback.fp16 as fa16
 from .core import *
-from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, ChannelsLast, _cl
+from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, ToChannelsLast, _cl
 
 # %% auto #0
 __all__ = ['cpu_variants', 'cuda_variants', 'half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench',
@@ -181,7 +181,7 @@ def run_variant(model:nn.Module, # model to copy (left untouched)
     device = torch.device(device)
     m = copy.deepcopy(model).to(device)
     dls = DataLoaders(SynthDL(batches, warmup + steps), SynthDL([], 0), device=None)
-    cbs = [SkipValid(), StepTimer()] + ([ChannelsLast()] if channels_last else []) + _variant_cbs(kind, device)
+    cbs = [SkipValid(), StepTimer()] + ([ToChannelsLast()] if channels_last else []) + _variant_cbs(kind, device)
     learn = Learner(dls, m, loss_func=nn.CrossEntropyLoss(), cbs=cbs)
     before = _mem_start(device)
     with _tf32(kind == 'tf32') if device.type == 'cuda' else nullcontext(), learn.no_bar(), learn.no_logging():

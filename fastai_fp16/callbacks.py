@@ -16,7 +16,7 @@ from .core import *
 from .scaler import *
 
 # %% auto #0
-__all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'ChannelsLast', 'MixedPrecision']
+__all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'ToChannelsLast', 'MixedPrecision']
 
 # %% ../nbs/02_callbacks.ipynb #39118875
 def _find_cb(learn, cls):
@@ -125,7 +125,7 @@ def _cl(x):
     if isinstance(x, (list, tuple)) and not hasattr(x, '_fields'): return type(x)(_cl(o) for o in x)
     return x
 
-class ChannelsLast(Callback):
+class ToChannelsLast(Callback):
     "Model and 4-d input batches in `torch.channels_last` memory format for the fit"
     order = ModelToHalf.order - 10  # before ModelToHalf: the fp32 values it keeps (our masters) are channels_last too
     def before_fit(self): self.learn.model.to(memory_format=torch.channels_last)
@@ -142,6 +142,9 @@ def _check_setup(learn):
         raise ValueError("ModelToHalf makes the model half, but there is no MixedPrecision to cast the inputs and handle the "
                          "gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half(bn_fp32=False, "
                          "master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
+    if any(type(cb).__name__ == 'GradientClip' for cb in learn.cbs):
+        raise ValueError("fastai's GradientClip would clip the half model's scaled gradients, not the fp32 masters' that the "
+                         "optimizer steps. Remove it and pass the norm to MixedPrecision: `learn.to_half(clip=max_norm)`.")
     opt = getattr(learn, 'opt', None)
     if opt is not None and not isinstance(opt, Optimizer):
         raise TypeError(f"MixedPrecision steps fp32 master weights through fastai's `Optimizer`, but `learn.opt` is a "

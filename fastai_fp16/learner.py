@@ -16,7 +16,7 @@ from .callbacks import *
 __all__ = []
 
 # %% ../nbs/03_learner.ipynb #7157cb82
-_fp16_cbs = (ChannelsLast, ModelToHalf, BatchNormToFloat, MixedPrecision)
+_fp16_cbs = (ToChannelsLast, ModelToHalf, BatchNormToFloat, MixedPrecision)
 
 @patch
 @delegates(MixedPrecision.__init__)
@@ -24,7 +24,7 @@ def to_half(self:Learner,
     dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 (or 'fp16', 'bf16')
     bn_fp32:bool=True, # keep BatchNorm layers in fp32
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
-    channels_last:bool=False, # conv nets: model and images in channels_last memory format (`ChannelsLast`)
+    channels_last:bool=False, # conv nets: model and images in channels_last memory format (`ToChannelsLast`)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
     "Train in half precision with fp32 masters, fp32 BatchNorm and loss scaling"
@@ -32,7 +32,7 @@ def to_half(self:Learner,
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     dtype = half_dtype(dtype)
     if dtype == torch.bfloat16: kwargs = {'init_scale': 1., 'dynamic': False, **kwargs}
-    cbs = ([ChannelsLast()] if channels_last else []) + [ModelToHalf(dtype)]
+    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype)]
     cbs += ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [MixedPrecision(**kwargs)]
     return self.add_cbs(cbs)
 
