@@ -90,9 +90,9 @@ class ModelToHalf(Callback):
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
-        if self._depth <= 0: self._restore_all()
+        if self._depth <= 0: self._fp16_cleanup()
 
-    def _restore_all(self):
+    def _fp16_cleanup(self):
         "Every converted tensor back to fp32, holding its true value; run state dropped"
         stash = getattr(self, '_stash', None)
         if stash is not None:
@@ -312,9 +312,9 @@ class MixedPrecision(Callback):
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
-        if self._depth <= 0: self._release()
+        if self._depth <= 0: self._fp16_cleanup()
 
-    def _release(self):
+    def _fp16_cleanup(self):
         "The optimizer back on the model's own params with their state (fp32 again); run state dropped"
         opt = self.learn.opt if self.learn is not None else None
         if getattr(self, '_ready', False) and opt is not None:

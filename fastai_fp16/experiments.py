@@ -56,6 +56,7 @@ def half_conv_forward(m:nn.Module, x, weight, bias):
 class CPUHalfConv(Callback):
     "During a fit, run the fp16 convolutions of a half model on CPU with fp32 math (`HalfConvFn`)"
     order = ModelToHalf.order + 2  # once the model is half (and its BatchNorm fp32 again)
+    _stateattrs = ('_patched','_depth')
     def __init__(self): self.used = False
     def before_fit(self):
         self._depth = getattr(self, '_depth', 0) + 1
@@ -65,10 +66,12 @@ class CPUHalfConv(Callback):
         for m in self._patched: m._conv_forward = partial(half_conv_forward, m)
         self.used = bool(self._patched)
     def after_fit(self):
-        self._depth -= 1
-        if self._depth > 0: return
+        self._depth = getattr(self, '_depth', 1) - 1
+        if self._depth <= 0: self._fp16_cleanup()
+    def _fp16_cleanup(self):
+        "Unpatch the convs (also run by `Learner.fit`'s guard when a fit raises)"
         for m in getattr(self, '_patched', []): m.__dict__.pop('_conv_forward', None)
-        self._patched = []
+        for a in self._stateattrs: self.__dict__.pop(a, None)
 
 # %% ../nbs/11_experiments.ipynb #455ebef4
 def soft_cap(x:torch.Tensor, # loss (or any tensor)

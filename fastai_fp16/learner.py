@@ -43,11 +43,9 @@ def to_float(self:Learner)->Learner:
 
 # %% ../nbs/03_learner.ipynb #183b7252
 def _cleanup_half(learn:Learner):
-    "Undo whatever a half fit left, as `after_fit` would"
-    for cb in learn.cbs:
-        if isinstance(cb, ModelToHalf): cb._restore_all()
-    for cb in learn.cbs:
-        if isinstance(cb, MixedPrecision): cb._release()
+    "Undo whatever a fit left, as `after_fit` would: every callback with an `_fp16_cleanup` runs it, in order"
+    for cb in learn.cbs.sorted('order'):
+        if hasattr(cb, '_fp16_cleanup'): cb._fp16_cleanup()
 
 def _guard_fit(fit):
     @functools.wraps(fit)

@@ -23,6 +23,7 @@ def _layers(model:nn.Module)->list:
 class PrecisionMonitor(Callback):
     "Record per-layer gradient underflow, max |grad|, inf/NaN and the loss scale; find where overflows start"
     order = MixedPrecision.order + 1
+    _stateattrs = ('_mth','_mp','_dt','_layers','_old_metrics','records','overflows')
     def __init__(self,
         every:int=10, # record the per-layer statistics every `every` training steps
         dtype:torch.dtype|None=None, # half dtype to judge underflow in (default: the model's, or fp16)
@@ -40,8 +41,11 @@ class PrecisionMonitor(Callback):
             self.learn.metrics = self.learn.metrics + [ValueMetric(lambda: mp.loss_scale, 'loss_scale'),
                                                       ValueMetric(lambda: mp.skipped, 'skipped')]
 
-    def after_fit(self):
-        if self._old_metrics is not None: self.learn.metrics = self._old_metrics
+    def after_fit(self): self._fp16_cleanup()
+    def _fp16_cleanup(self):
+        "Put the Recorder's metrics back (also run by `Learner.fit`'s guard when a fit raises)"
+        if getattr(self, '_old_metrics', None) is not None: self.learn.metrics = self._old_metrics
+        self._old_metrics = None
 
     @property
     def scale(self)->float:
@@ -54,7 +58,7 @@ class PrecisionMonitor(Callback):
         if not self.training: return
         grads = [[p.grad for p in ps if p.grad is not None] for _,_,ps in self._layers]
         bad = torch.stack([torch.stack([~torch.isfinite(g).all() for g in gs]).any() if gs else torch.tensor(False)
-                           for gs in grads]).tolist()
+                           for gs in grads]).tolist()  # a diagnostic's extra host sync each step (more on recorded steps)
         if any(bad):
             names = [n for (n,_,_),b in zip(self._layers, bad) if b]
             self.overflows.append(dict(step=self.step, start=names[-1], layers=names, loss_scale=self.scale))
