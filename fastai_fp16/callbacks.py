@@ -22,6 +22,19 @@ __all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'ToChannelsLast', 'M
 def _find_cb(learn, cls):
     return next((cb for cb in learn.cbs if isinstance(cb, cls)), None) if learn is not None else None
 
+def _checked(cb)->bool:
+    "Run `cb._check()`. In a fit its error is raised now; in `validate`/`get_preds` at the first batch, because fastai 2.8.7 "
+    "leaves `learn.lock` held (the next `validate` hangs) and logging off when their `before_fit` raises"
+    try: cb._check(); return True
+    except Exception as e:
+        if getattr(cb.learn, '_fp16_in_fit', 0): raise
+        cb._pending = e
+        return False
+
+def _raise_pending(cb):
+    e = cb.__dict__.pop('_pending', None)
+    if e is not None: raise e
+
 _half_dtypes = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
                 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
 
@@ -36,22 +49,25 @@ def half_dtype(dtype)->torch.dtype:
 class ModelToHalf(Callback):
     "Put the model in `dtype` (BatchNorm too) for the fit, and back to its exact fp32 values after"
     order = -50  # before TrainEvalCallback (-10): the model is half when training starts
-    _stateattrs = ('_stash','_sources','_hook','_depth')
+    _stateattrs = ('_stash','_sources','_hook','_depth','_pending')
     _warned_cpu_conv = False
     def __init__(self, dtype:torch.dtype|str=torch.float16): # torch.float16 or torch.bfloat16 (or 'fp16', 'bf16')
         self.dtype = half_dtype(dtype)
 
-    def before_fit(self):
-        self._depth = getattr(self, '_depth', 0) + 1
-        if self._depth > 1: return  # get_preds inside a fit: the model is already half
+    def _check(self):
         _check_setup(self.learn)
-        model = self.learn.model
-        devs = {t.device for t in float_tensors(model)}
+        devs = {t.device for t in float_tensors(self.learn.model)}
         if len(devs) > 1: raise ValueError(f"{type(self).__name__} needs the model on one device, found {sorted(map(str,devs))}. "
                                            "Move it with `learn.model.to(device)` (model parallelism is not supported).")
+
+    def before_fit(self):
+        if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the model is already half
+        if not _checked(self): return
+        model = self.learn.model
+        devs = {t.device for t in float_tensors(model)}
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
         self._stash = {id(t): (t, t.data) for t in float_tensors(model) if t.dtype != self.dtype}
-        self._sources = {}
+        self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
         for t,_ in self._stash.values():
             t.grad = None
             t.data = t.data.to(self.dtype)
@@ -77,10 +93,12 @@ class ModelToHalf(Callback):
         "Declare `values` (fp32 masters) as the true values of model `params` for the rest of the fit"
         self._sources.update({id(p): v for p,v in zip(params, values)})
 
+    def before_batch(self): _raise_pending(self)
+
     def restore(self, tensors:list):
         "Put `tensors` back to their fp32 values now and stop managing them (for `BatchNormToFloat`)"
         for t in tensors:
-            t_orig = self._stash.pop(id(t), None)
+            t_orig = getattr(self, '_stash', {}).pop(id(t), None)
             if t_orig is not None: t.grad = None; t.data = t_orig[1]
 
     def _fp32_state(self, module, sd, prefix, meta):
@@ -112,12 +130,17 @@ class BatchNormToFloat(Callback):
     def __init__(self, keep_norm_fp32=('batch',)): # kinds of norm layer kept fp32 (see `norm_types`)
         norm_classes(keep_norm_fp32)  # fail early on a bad name
         self.keep_norm_fp32 = keep_norm_fp32
+    _stateattrs = ('_pending',)
+    def _check(self):
+        if _find_cb(self.learn, ModelToHalf) is None:
+            raise ValueError("BatchNormToFloat keeps the norm layers of a half model in fp32, but there is no "
+                             "ModelToHalf on this Learner: use `learn.to_half()`.")
     def before_fit(self):
-        mth = _find_cb(self.learn, ModelToHalf)
-        if mth is None: raise ValueError("BatchNormToFloat keeps the norm layers of a half model in fp32, but there is no "
-                                         "ModelToHalf on this Learner: use `learn.to_half()`.")
+        if not _checked(self): return
         keep = norm_classes(self.keep_norm_fp32)
-        mth.restore([t for m in self.learn.model.modules() if isinstance(m, keep) for t in module_tensors(m)])
+        _find_cb(self.learn, ModelToHalf).restore([t for m in self.learn.model.modules() if isinstance(m, keep) for t in module_tensors(m)])
+    def before_batch(self): _raise_pending(self)
+    def after_fit(self): self.__dict__.pop('_pending', None)
 
 # %% ../nbs/02_callbacks.ipynb #8d760a16
 def _cl(x):
@@ -186,7 +209,7 @@ def _partition(params:list, state:dict)->list:
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
-    _stateattrs = ('scales','_mth','_groups','_old_lists','_zero','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped')
+    _stateattrs = ('scales','_mth','_groups','_old_lists','_zero','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
         dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
@@ -215,15 +238,18 @@ class MixedPrecision(Callback):
     @property
     def active(self)->bool: return bool(getattr(self, '_ready', False))
 
-    def before_fit(self):
-        self._depth = getattr(self, '_depth', 0) + 1
-        if self._depth > 1: return
+    def _check(self):
         _check_setup(self.learn)
-        self._mth = _find_cb(self.learn, ModelToHalf)
-        if self._mth is None: raise ValueError("MixedPrecision needs the model made half by ModelToHalf: use `learn.to_half()`.")
-        self._ready = False
+        if _find_cb(self.learn, ModelToHalf) is None:
+            raise ValueError("MixedPrecision needs the model made half by ModelToHalf: use `learn.to_half()`.")
+
+    def before_fit(self):
+        if getattr(self, '_depth', 0): self._depth += 1; return
+        if not _checked(self): return
+        self._mth, self._ready, self._depth = _find_cb(self.learn, ModelToHalf), False, 1
 
     def before_train(self):
+        _raise_pending(self)
         if not self._ready: self._setup()
 
     def _setup(self):
@@ -260,6 +286,7 @@ class MixedPrecision(Callback):
         self._inv_scale.fill_(1./self.loss_scale)
 
     def before_batch(self):
+        _raise_pending(self)
         self.learn.xb = cast_floats(self.xb, self._mth.dtype)
         if not self.loss_fp32: self.learn.yb = cast_floats(self.yb, self._mth.dtype)
     def after_pred(self):

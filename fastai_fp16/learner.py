@@ -50,10 +50,14 @@ def _cleanup_half(learn:Learner):
 def _guard_fit(fit):
     @functools.wraps(fit)
     def _fit(self, *args, **kwargs):
+        self._fp16_in_fit = getattr(self, '_fp16_in_fit', 0) + 1  # our callbacks raise misuse errors at `before_fit` in a fit
         try: return fit(self, *args, **kwargs)
         except BaseException:
             _cleanup_half(self)
             raise
+        finally:
+            self._fp16_in_fit -= 1
+            if not self._fp16_in_fit: del self._fp16_in_fit
     _fit._fp16 = True
     return _fit
 

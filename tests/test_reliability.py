@@ -169,3 +169,17 @@ def test_exception_mid_fit_cleans_diagnostics():
     with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
     assert '_conv_forward' not in model[0].__dict__ and list(learn.metrics) == metrics
     assert fp32_everywhere(learn) and opt_on_model(learn)
+
+def test_misuse_in_validate_does_not_leave_fastai_locked():
+    "fastai 2.8.7 leaves `learn.lock` held when `before_fit` raises in `validate`: our errors come at the first batch"
+    import threading
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(), ModelToHalf(), MixedPrecision()])
+    errors = []
+    def twice():
+        for _ in range(2):
+            try: learn.validate()
+            except ValueError as e: errors.append(str(e))
+    t = threading.Thread(target=twice, daemon=True); t.start(); t.join(60)
+    assert not t.is_alive(), 'the second validate hung'
+    assert len(errors) == 2 and all('more than once' in e for e in errors)
+    assert fp32_everywhere(learn) and not learn.lock.locked()
