@@ -174,38 +174,6 @@ def _check_setup(learn):
                         f"{type(opt).__name__}. Use a fastai optimizer (`opt_func=Adam`, `SGD`, ...), not `OptimWrapper`.")
 
 # %% ../nbs/02_callbacks.ipynb #4e07e4b9
-def _cast_state(state:dict, dtype)->dict:
-    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k,v in state.items()}
-
-def _flat_state(states:list, params:list)->dict:
-    "Per-param optimizer states as one state for a flat master (tensors shaped like their param are concatenated)"
-    res = {}
-    for k in set().union(*states):
-        vs = [s.get(k) for s in states]
-        if all(v is None or (isinstance(v, torch.Tensor) and v.shape == p.shape) for v,p in zip(vs, params)):
-            res[k] = torch.cat([(torch.zeros_like(p, dtype=torch.float32) if v is None else v.float()).reshape(-1)
-                                for v,p in zip(vs, params)])
-        else: res[k] = next(v for v in vs if v is not None)
-    return res
-
-def _split_state(state:dict, params:list)->list:
-    "A flat master's optimizer state as one state per param"
-    n = sum(p.numel() for p in params)
-    flat = {k for k,v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n}
-    per = [dict() for _ in params]
-    for k,v in state.items():
-        parts = v.split([p.numel() for p in params]) if k in flat else [v]*len(params)
-        for d,x,p in zip(per, parts, params): d[k] = x.view_as(p).clone() if k in flat else x
-    return per
-
-def _partition(params:list, state:dict)->list:
-    "`params` split by their non-tensor optimizer state (`do_wd`, `force_train`...), which a flat buffer must share"
-    parts = {}
-    for p in params:
-        key = tuple(sorted((k, repr(v)) for k,v in state.get(p, {}).items() if not isinstance(v, torch.Tensor)))
-        parts.setdefault(key, []).append(p)
-    return list(parts.values())
-
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
@@ -264,16 +232,16 @@ class MixedPrecision(Callback):
                 self._groups.append((params, params)); new_lists.append(L(pg)); continue
             if self.flat_master:
                 flats = []
-                for part in _partition(params, opt.state):  # one buffer per group and per-param option (do_wd...)
+                for part in partition_by_state(params, opt.state):  # one buffer per group and per-param option (do_wd...)
                     _, (flat,) = prep_param_lists(part, True, [mth.fp32_value(p) for p in part])
-                    opt.state[flat] = _flat_state([opt.state.pop(p, {}) for p in part], part)
+                    opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
                     mth.set_source(part, flat._views)
                     self._groups.append((part, [flat])); flats.append(flat)
                 new_lists.append(L(flats) + L(frozen))
             else:
                 _, masters = prep_param_lists(params, False, [mth.fp32_value(p) for p in params])
                 for p,m in zip(params, masters):
-                    if m is not p: opt.state[m] = _cast_state(opt.state.pop(p, {}), torch.float32)
+                    if m is not p: opt.state[m] = cast_state(opt.state.pop(p, {}), torch.float32)
                 it = iter(masters)
                 new_lists.append(L(next(it) if p.requires_grad else p for p in pg))
                 mth.set_source(params, masters)
@@ -347,9 +315,9 @@ class MixedPrecision(Callback):
         if getattr(self, '_ready', False) and opt is not None:
             for params,masters in self._groups:
                 if not self.master_weights: states = [opt.state.pop(p, {}) for p in params]
-                elif self.flat_master: states = _split_state(opt.state.pop(masters[0], {}), params)
+                elif self.flat_master: states = split_state(opt.state.pop(masters[0], {}), params)
                 else: states = [opt.state.pop(m, {}) for m in masters]
-                for p,s in zip(params, states): opt.state[p] = _cast_state(s, torch.float32)
+                for p,s in zip(params, states): opt.state[p] = cast_state(s, torch.float32)
             opt.param_lists = self._old_lists
         scales = getattr(self, 'scales', L())
         for a in self._stateattrs: self.__dict__.pop(a, None)
@@ -359,7 +327,7 @@ class MixedPrecision(Callback):
         "The optimizer's `state_dict` as if it held the model's params (per param, fp32), plus the scaler state"
         opt = self.learn.opt
         if self.active and self.flat_master:
-            per = {id(p): s for ps,(m,) in self._groups for p,s in zip(ps, _split_state(opt.state.get(m, {}), ps))}
+            per = {id(p): s for ps,(m,) in self._groups for p,s in zip(ps, split_state(opt.state.get(m, {}), ps))}
             sd = {'state': [per.get(id(p), opt.state.get(p, {})) for pg in self._old_lists for p in pg], 'hypers': opt.hypers}
         else: sd = type(opt).state_dict(opt)
         return {**sd, 'mixed_precision': self.state_dict()}

@@ -13,8 +13,8 @@ from fastai.data.core import DataLoaders
 
 # %% auto #0
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'cast_floats', 'make_flat_master',
-           'prep_param_lists', 'model_grads_to_master_grads', 'master_params_to_model_params', 'unscale_grads_',
-           'synth_dls', 'tiny_model']
+           'prep_param_lists', 'model_grads_to_master_grads', 'master_params_to_model_params', 'cast_state',
+           'flat_state', 'split_state', 'partition_by_state', 'unscale_grads_', 'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -140,6 +140,42 @@ def master_params_to_model_params(model_params:list, # half model params to upda
         with torch.no_grad(): torch._foreach_copy_(params, src)
 
 # %% ../nbs/00_core.ipynb #6fd2139b
+def cast_state(state:dict, # an optimizer state (per param)
+               dtype:torch.dtype, # dtype for its floating-point tensors
+              )->dict:
+    "`state` with its floating-point tensors cast to `dtype`"
+    return {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k,v in state.items()}
+
+def flat_state(states:list, params:list)->dict:
+    "Per-param optimizer states as one state for a flat master (tensors shaped like their param are concatenated)"
+    res = {}
+    for k in set().union(*states):
+        vs = [s.get(k) for s in states]
+        if all(v is None or (isinstance(v, torch.Tensor) and v.shape == p.shape) for v,p in zip(vs, params)):
+            res[k] = torch.cat([(torch.zeros_like(p, dtype=torch.float32) if v is None else v.float()).reshape(-1)
+                                for v,p in zip(vs, params)])
+        else: res[k] = next(v for v in vs if v is not None)
+    return res
+
+def split_state(state:dict, params:list)->list:
+    "A flat master's optimizer state as one state per param"
+    n = sum(p.numel() for p in params)
+    flat = {k for k,v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n}
+    per = [dict() for _ in params]
+    for k,v in state.items():
+        parts = v.split([p.numel() for p in params]) if k in flat else [v]*len(params)
+        for d,x,p in zip(per, parts, params): d[k] = x.view_as(p).clone() if k in flat else x
+    return per
+
+def partition_by_state(params:list, state:dict)->list:
+    "`params` split by their non-tensor optimizer state (`do_wd`, `force_train`...), which a flat buffer must share"
+    parts = {}
+    for p in params:
+        key = tuple(sorted((k, repr(v)) for k,v in state.get(p, {}).items() if not isinstance(v, torch.Tensor)))
+        parts.setdefault(key, []).append(p)
+    return list(parts.values())
+
+# %% ../nbs/00_core.ipynb #3daee561
 def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtypes, one device)
                    inv_scale:Tensor, # 1-element fp32 tensor holding 1/scale
                    found_inf:Tensor, # 1-element fp32 tensor set to 1 if any grad is inf or NaN
@@ -150,7 +186,7 @@ def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtype
     for gs in by_dtype.values(): torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv_scale)
     return found_inf
 
-# %% ../nbs/00_core.ipynb #3daee561
+# %% ../nbs/00_core.ipynb #1f4835b6
 def synth_dls(n:int=64, bs:int=16, n_in:int=4, n_out:int=2, seed:int=0, device='cpu')->DataLoaders:
     "A small random linear regression task as fastai `DataLoaders` (for tests and demos)"
     g = torch.Generator().manual_seed(seed)
