@@ -106,36 +106,34 @@ def prep_param_lists(model:nn.Module|Iterable[Tensor], # a model (its trainable 
     return params, [_master(p, v) for p,v in zip(params, fp32_values)]
 
 # %% ../nbs/00_core.ipynb #fcf5559d
-def _pairs(model_params, master_params, flat_master, grads):
-    "Model tensors and their master counterparts (data or grads), skipping params that are their own master"
-    if flat_master:
-        m = master_params[0]
-        dst = m._grad_views if grads else m._views
-        return list(model_params), dst
-    mp = [(p, m) for p,m in zip(model_params, master_params) if m is not p]
-    return [p for p,_ in mp], [(m.grad if grads else m) for _,m in mp]
-
 def model_grads_to_master_grads(model_params:list, # half model params
                                 master_params:list, # their fp32 masters (`prep_param_lists`)
                                 flat_master:bool=False, # masters are one flat param
                                ):
-    "Copy the model params' grads into the masters' fp32 grads in one fused copy; a missing grad counts as zero"
-    params, dst = _pairs(model_params, master_params, flat_master, grads=True)
-    if not flat_master:  # masters made elsewhere may lack a grad
-        for i,(m,d) in enumerate(zip(master_params, dst)):
-            if d is None: m.grad = dst[i] = torch.zeros_like(m)
-    src = [p.grad for p in params]
-    if any(g is None for g in src):  # a param that got no grad this step
-        torch._foreach_zero_([d for d,g in zip(dst,src) if g is None])
-        dst, src = [d for d,g in zip(dst,src) if g is not None], [g for g in src if g is not None]
-    if dst: torch._foreach_copy_(dst, src)
+    "Copy the model params' grads into the masters' fp32 grads in one fused copy"
+    if flat_master:  # a flat master steps as one: a missing grad counts as zero
+        dst, src = master_params[0]._grad_views, [p.grad for p in model_params]
+        missing = [d for d,g in zip(dst, src) if g is None]
+        if missing: torch._foreach_zero_(missing)
+        pairs = [(d,g) for d,g in zip(dst, src) if g is not None]
+    else:
+        pairs = []
+        for p,m in zip(model_params, master_params):
+            if m is p: continue  # its own master: the grad is already in place
+            if p.grad is None: m.grad = None; continue  # no grad, no step: the optimizer skips it, as it would skip `p`
+            if m.grad is None: m.grad = torch.zeros_like(m)
+            pairs.append((m.grad, p.grad))
+    if pairs: torch._foreach_copy_([d for d,_ in pairs], [g for _,g in pairs])
 
 def master_params_to_model_params(model_params:list, # half model params to update
                                   master_params:list, # their fp32 masters
                                   flat_master:bool=False, # masters are one flat param
                                  ):
     "Copy the fp32 masters into the half model params in one fused, rounding copy"
-    params, src = _pairs(model_params, master_params, flat_master, grads=False)
+    if flat_master: params, src = list(model_params), master_params[0]._views
+    else:
+        pairs = [(p,m) for p,m in zip(model_params, master_params) if m is not p]  # fp32 params are their own master
+        params, src = [p for p,_ in pairs], [m for _,m in pairs]
     if params:
         with torch.no_grad(): torch._foreach_copy_(params, src)
 

@@ -121,3 +121,31 @@ def test_non_affine_batchnorm_stays_fp32():
     learn.fit(1, 1e-2)
     assert seen.dtypes == (torch.float32, None)
     assert model[1].running_var.dtype == torch.float32 and not torch.equal(model[1].running_var, rv)
+
+def test_fine_tune():
+    "fastai's fine_tune: frozen body untouched (bit for bit) in the first fit, trained after unfreeze"
+    import fastai.callback.schedule  # fine_tune, fit_one_cycle
+    m = tiny_model()
+    groups = [list(m[:3].parameters()), list(m[3].parameters())]
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), splitter=lambda _: groups).to_half()
+    body0 = [p.detach().clone() for p in m[0].parameters()]
+    class BodySpy(Callback):
+        order = 100
+        def after_fit(self): self.body = getattr(self, 'body', []) + [[p.detach().clone() for p in m[0].parameters()]]
+    spy = BodySpy(); learn.add_cb(spy)
+    learn.fine_tune(1, 1e-2, freeze_epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(spy.body[0], body0))
+    assert not torch.equal(spy.body[1][0], body0[0]) and fp32_everywhere(learn) and opt_on_model(learn)
+
+@pytest.mark.parametrize('half', [False, True])
+def test_unused_params_are_not_stepped(half):
+    "A param that gets no grad (an unused head, a GAN's idle half) is skipped by the optimizer, as in fp32"
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__(); self.body, self.idle = tiny_model(), nn.Linear(4, 2)
+        def forward(self, x): return self.body(x)
+    m = TwoHeads(); idle0 = [p.detach().clone() for p in m.idle.parameters()]
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1)
+    if half: learn.to_half()
+    learn.fit(2, 1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(m.idle.parameters(), idle0))
