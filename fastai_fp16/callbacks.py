@@ -64,15 +64,15 @@ class ModelToHalf(Callback):
         if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the model is already half
         if not _checked(self): return
         model = self.learn.model
-        devs = {t.device for t in float_tensors(model)}
+        ts = float_tensors(model)
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
-        self._stash = {id(t): (t, t.data) for t in float_tensors(model) if t.dtype != self.dtype}
+        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.dtype}
         self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
         for t,_ in self._stash.values():
             t.grad = None
             t.data = t.data.to(self.dtype)
         self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
-        self._warn_cpu_conv(model, devs)
+        self._warn_cpu_conv(model, {t.device for t in ts})
 
     def _warn_cpu_conv(self, model, devs):
         if (self.dtype != torch.float16 or ModelToHalf._warned_cpu_conv or devs != {torch.device('cpu')} or
@@ -177,7 +177,7 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
-    _stateattrs = ('scales','_mth','_groups','_old_lists','_zero','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
         dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
@@ -247,6 +247,7 @@ class MixedPrecision(Callback):
                 mth.set_source(params, masters)
                 self._groups.append((params, masters))
         opt.param_lists = new_lists
+        self._masters = [m for _,ms in self._groups for m in ms]  # what the optimizer steps, made once per fit
         # model params whose grads the optimizer no longer zeroes (all but those that are their own master)
         self._zero = [p for ps,ms in self._groups for p,m in zip(ps, ps if self.flat_master else ms) if self.flat_master or m is not p]
         dev = next(iter(self.learn.model.parameters())).device
@@ -268,7 +269,7 @@ class MixedPrecision(Callback):
         if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
 
     def _master_grads(self)->list:
-        return [m.grad for _,ms in self._groups for m in ms if m.grad is not None]
+        return [m.grad for m in self._masters if m.grad is not None]
 
     def before_step(self):
         self._stepped = False
@@ -289,7 +290,7 @@ class MixedPrecision(Callback):
             finally: self._refresh_inv_scale(old)
             raise CancelStepException()
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_([m for _,ms in self._groups for m in ms], self.clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_(self._masters, self.clip, foreach=True)
         self.scaler.update(found_inf=False)
         self._refresh_inv_scale(old)
         self._stepped = True
