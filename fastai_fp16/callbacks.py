@@ -177,7 +177,7 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
-    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
         dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
@@ -248,8 +248,10 @@ class MixedPrecision(Callback):
                 self._groups.append((params, masters))
         opt.param_lists = new_lists
         self._masters = [m for _,ms in self._groups for m in ms]  # what the optimizer steps, made once per fit
-        # model params whose grads the optimizer no longer zeroes (all but those that are their own master)
+        # model params with a separate master (all but the fp32 ones): their grads are dropped once copied
         self._zero = [p for ps,ms in self._groups for p,m in zip(ps, ps if self.flat_master else ms) if self.flat_master or m is not p]
+        self._sep = self._masters if self.flat_master else [m for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]
+        self._aside = []  # (master, its grad) set aside from fastai's zero_grad between steps
         dev = next(iter(self.learn.model.parameters())).device
         self._found_inf, self._inv_scale = torch.zeros(2, device=dev), torch.ones(1, device=dev)
         self._inv_scale.fill_(1./self.loss_scale)
@@ -274,7 +276,9 @@ class MixedPrecision(Callback):
     def before_step(self):
         self._stepped = False
         if self.master_weights:
+            for m,g in self._aside: m.grad = g
             for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master)
+            for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
         grads = self._master_grads()
         fi = self._found_inf
         fi.zero_()
@@ -302,9 +306,9 @@ class MixedPrecision(Callback):
         if not self.master_weights: return  # the optimizer stepped (and zero_grad zeroes) the model itself
         if self._stepped:
             for params,masters in self._groups: master_params_to_model_params(params, masters, self.flat_master)
-        # opt.zero_grad only reaches the masters: the model's own grads are zeroed here, in place (no reallocation)
-        grads = [p.grad for p in self._zero if p.grad is not None]
-        if grads: torch._foreach_zero_(grads)
+        # every master grad is overwritten (or zeroed) by the next copy: fastai's zero_grad need not zero them first
+        self._aside = [(m, m.grad) for m in self._sep if m.grad is not None]
+        for m,_ in self._aside: m.grad = None
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1

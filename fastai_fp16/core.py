@@ -91,15 +91,13 @@ def make_flat_master(params:list, # model params the master stands for
 def _master(p:Tensor, v:Tensor)->nn.Parameter:
     "fp32 master of `p` from its exact value `v` (shared, not copied, when `v` is already fp32)"
     if p.dtype == torch.float32: return p  # already fp32: its own master
-    m = nn.Parameter(v if v.dtype == torch.float32 else v.float())
-    m.grad = torch.zeros_like(m)
-    return m
+    return nn.Parameter(v if v.dtype == torch.float32 else v.float())
 
 def prep_param_lists(model:nn.Module|Iterable[Tensor], # a model (its trainable params are used) or params
                      flat_master:bool=False, # one flat fp32 master for all params instead of one per param
                      fp32_values:list|None=None, # exact fp32 values of the params (default: upcast the params)
                     )->tuple: # (model_params, master_params)
-    "fp32 master copies of the trainable params of `model`, each with a preallocated fp32 grad"
+    "fp32 master copies of the trainable params of `model` (a flat one comes with its fp32 grad)"
     params = [p for p in (model.parameters() if isinstance(model, nn.Module) else model) if p.requires_grad]
     if fp32_values is None: fp32_values = [p.detach() for p in params]
     if flat_master: return params, [make_flat_master(params, fp32_values)]
@@ -117,12 +115,15 @@ def model_grads_to_master_grads(model_params:list, # half model params
         if missing: torch._foreach_zero_(missing)
         pairs = [(d,g) for d,g in zip(dst, src) if g is not None]
     else:
-        pairs = []
+        pairs, missing = [], []
         for p,m in zip(model_params, master_params):
             if m is p: continue  # its own master: the grad is already in place
-            if p.grad is None: m.grad = None; continue  # no grad, no step: the optimizer skips it, as it would skip `p`
-            if m.grad is None: m.grad = torch.zeros_like(m)
+            if p.grad is None:  # no grad this step: the master follows its optimizer's `zero_grad`, as `p` would.
+                if m.grad is not None: missing.append(m.grad)  # Kept grads (fastai) become zeros and are stepped;
+                continue  # none (torch's set_to_none) means the optimizer skips it
+            if m.grad is None: m.grad = torch.empty_like(m)  # allocated at its first grad, reused after
             pairs.append((m.grad, p.grad))
+        if missing: torch._foreach_zero_(missing)
     if pairs: torch._foreach_copy_([d for d,_ in pairs], [g for _,g in pairs])
 
 def master_params_to_model_params(model_params:list, # half model params to update

@@ -149,3 +149,31 @@ def test_unused_params_are_not_stepped(half):
     if half: learn.to_half()
     learn.fit(2, 1e-2)
     assert all(torch.equal(a, b) for a, b in zip(m.idle.parameters(), idle0))
+
+class _Sometimes(nn.Module):
+    "tiny_model plus a head that is used only while `use_idle` is set"
+    def __init__(self):
+        super().__init__(); self.body, self.idle, self.use_idle = tiny_model(), nn.Linear(4, 2), True
+    def forward(self, x): return self.body(x) + self.idle(x) if self.use_idle else self.body(x)
+
+class _FirstBatchOnly(Callback):
+    "The idle head gets a grad in the first step only; its weight is recorded after every step"
+    order = 20  # after MixedPrecision.after_step has copied the masters into the model
+    def before_fit(self): self.ws = []
+    def before_batch(self): self.model.use_idle = self.training and self.iter == 0 and self.epoch == 0
+    def after_step(self): self.ws.append(self.model.idle.weight.detach().float().clone())
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_params_that_stop_getting_grads_step_as_in_fp32(flat):
+    "fastai zeroes grads in place, so a param that had a grad keeps stepping on zeros (Adam momentum, wd): ours too"
+    runs = []
+    for half in (False, True):
+        torch.manual_seed(0); rec = _FirstBatchOnly()
+        learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=rec)
+        if half: learn.to_half(flat_master=flat, init_scale=128, dynamic=False)  # no skipped first step
+        learn.fit(2, 1e-2)
+        runs.append(rec.ws)
+    (fp32, ours) = runs
+    assert len(ours) == len(fp32) > 2 and not torch.equal(fp32[-1], fp32[0])  # fp32 keeps moving it...
+    assert not torch.equal(ours[-1], ours[0])  # ...and so do we
+    assert torch.allclose(ours[-1], fp32[-1], atol=2e-3), (ours[-1] - fp32[-1]).abs().max()
