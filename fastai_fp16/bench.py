@@ -17,7 +17,7 @@ from fastai.optimizer import SGD
 from fastai.torch_core import to_float
 import fastai.callback.fp16 as fa16
 from .core import *
-from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, ToChannelsLast, _cl
+from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, ToChannelsLast, half_dtype, _cl
 
 # %% auto #0
 __all__ = ['cpu_variants', 'cuda_variants', 'half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench',
@@ -133,15 +133,17 @@ class Autocast(Callback):
         if self._ctx is not None: self._ctx.__exit__(None, None, None); self._ctx = None
 
 # %% ../nbs/20_bench.ipynb #2856216d
-cpu_variants = ('fp32', 'autocast_bf16', 'ours_bf16')
-cuda_variants = ('fp32', 'tf32', 'fastai_fp16', 'ours_fp16', 'ours_bf16')
+cpu_variants = ('fp32', 'autocast_bf16', 'ours_bf16', 'ours_bf16_flat')
+cuda_variants = ('fp32', 'tf32', 'fastai_fp16', 'ours_fp16', 'ours_fp16_flat', 'ours_bf16')
 
 def _variant_cbs(kind:str, device:torch.device)->list:
     if kind in ('fp32', 'tf32'): return []
     if kind == 'autocast_bf16': return [Autocast(device.type, torch.bfloat16)]
     if kind == 'fastai_fp16': return [fa16.MixedPrecision()]
-    if kind == 'ours_fp16': return [ModelToHalf(torch.float16), BatchNormToFloat(), MixedPrecision()]
-    if kind == 'ours_bf16': return [ModelToHalf(torch.bfloat16), BatchNormToFloat(), MixedPrecision(init_scale=1, dynamic=False)]
+    dt, _, flat = kind.removeprefix('ours_').partition('_')
+    if kind.startswith('ours_') and dt in ('fp16', 'bf16') and flat in ('', 'flat'):
+        kw = dict(init_scale=1, dynamic=False) if dt == 'bf16' else {}  # bf16 has fp32's range: no scaling
+        return [ModelToHalf(half_dtype(dt)), BatchNormToFloat(), MixedPrecision(flat_master=flat == 'flat', **kw)]
     raise ValueError(f"Unknown variant {kind!r}: use one of {sorted(set(cpu_variants+cuda_variants))}.")
 
 @contextmanager
@@ -208,12 +210,13 @@ def _ratios(best:dict, device)->tuple:
     if device.type == 'cuda':
         r = {'ours_fp16/fastai_fp16 speed': sp('ours_fp16','fastai_fp16'), 'ours_fp16/fastai_fp16 memory': mem('ours_fp16','fastai_fp16'),
              'ours_bf16/fastai_fp16 speed': sp('ours_bf16','fastai_fp16'), 'ours_fp16/fp32 speed': sp('ours_fp16','fp32'),
-             'ours_fp16/tf32 speed': sp('ours_fp16','tf32')}
+             'ours_fp16/tf32 speed': sp('ours_fp16','tf32'), 'ours_fp16_flat/ours_fp16 speed': sp('ours_fp16_flat','ours_fp16'),
+             'ours_fp16_flat/ours_fp16 memory': mem('ours_fp16_flat','ours_fp16')}
         t = {'ours_fp16/fastai_fp16 speed': ('>=', 1.0), 'ours_fp16/fastai_fp16 memory': ('<', 1.0)}
     else:
         r = {'ours_bf16/fp32 speed': sp('ours_bf16','fp32'), 'ours_bf16/autocast_bf16 speed': sp('ours_bf16','autocast_bf16'),
              'ours_bf16/fp32 memory': mem('ours_bf16','fp32'), 'autocast_bf16/fp32 speed': sp('autocast_bf16','fp32'),
-             'ours_bf16/autocast_bf16 memory': mem('ours_bf16','autocast_bf16')}
+             'ours_bf16/autocast_bf16 memory': mem('ours_bf16','autocast_bf16'), 'ours_bf16_flat/ours_bf16 speed': sp('ours_bf16_flat','ours_bf16')}
         cpu = lambda a,b: best[b]['cpu_ms'] / best[a]['cpu_ms']
         r.update({'ours_bf16/fp32 speed (CPU time)': cpu('ours_bf16','fp32'),
                   'ours_bf16/autocast_bf16 speed (CPU time)': cpu('ours_bf16','autocast_bf16')})
