@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared script, for a session that is lent a GPU machine (the `device` tool).
+#
+#   here:  bash tools/gpu_check.sh fetch    # wheels of what the GPU image lacks -> .whl/ (git-ignored via .git/info/exclude)
+#   there: device run, carry ['.whl'], timeout_s 560:  bash tools/gpu_check.sh run
+#
+# `run` installs the wheels (the machine has torch, torchvision, sklearn, pandas... but no fastai and cannot download),
+# runs the `#| cuda` cell of 03_learner through nbdev_test, the CUDA benchmark (fastai to_fp16 vs ours, list and flat
+# masters, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at most 8 files in $OUT.
+# Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="apsw==3.54.1.0 apswutils==0.1.2 asttokens==3.0.1 astunparse==1.6.3 backcall==0.2.0 beartype==0.23.1
+beautifulsoup4==4.15.0 decorator==5.2.1 execnb==0.1.18 executing==2.2.1 fastai==2.8.7 fastcore==1.14.5 fastdownload==0.0.8
+fastgit==0.1.4 fastlite==0.2.4 fastprogress==1.1.6 fastspec==0.1.0 fasttransform==0.0.2 ghapi==2.0.3 httpcore2==2.16.2
+httpx2==2.16.2 ipython==8.12.3 itsdangerous==2.2.0 jedi==0.20.0 matplotlib-inline==0.2.2 nbdev==2.4.14 oauthlib==4.0.1
+parso==0.8.7 pexpect==4.8.0 pickleshare==0.7.5 plum-dispatch==2.9.0 prompt-toolkit==3.0.52 ptyprocess==0.7.0
+pure-eval==0.2.3 python-fasthtml==0.14.5 python-multipart==0.0.34 soupsieve==4.1.3 stack-data==0.6.3 starlette==1.10.0
+traitlets==5.15.0 truststore==0.10.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.7.0"
+
+case "${1:-}" in
+fetch)
+  mkdir -p .whl
+  grep -qs '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
+  for w in $WHEELS; do  # the GPU image runs CPython 3.12 on x86-64
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "$w" || { echo "could not fetch $w"; exit 1; }
+  done
+  du -sh .whl ;;
+run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
+  : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}"
+  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5 --rounds 2}" "${COMPARE:=}"
+  mkdir -p "$OUT"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
+  ff() { python3 -c 'import sys; from fastai_fp16.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+  rc=0
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c 'import torch, fastai; print("torch", torch.__version__, "fastai", fastai.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())'
+    echo "== nbdev_test --flags cuda 03_learner"; nbdev_test --flags "$DEVICE" --path nbs/03_learner.ipynb; } 2>&1 | tee "$OUT/log.txt" || rc=1
+  echo "== bench" | tee -a "$OUT/log.txt"
+  ff bench --device "$DEVICE" $BENCH --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md" || rc=1
+  echo "== compare (digits)" | tee -a "$OUT/log.txt"
+  ff compare --device "$DEVICE" $COMPARE --out "$OUT/compare" 2>&1 | tee -a "$OUT/log.txt" || rc=1
+  echo "rc=$rc" | tee -a "$OUT/log.txt"; exit $rc ;;
+*) echo "usage: bash tools/gpu_check.sh fetch|run"; exit 2 ;;
+esac
+
+# CPU dry run of `run` here, in a Python 3.12 venv that holds what the GPU image holds (torch, torchvision, numpy, pandas,
+# matplotlib, scikit-learn, scipy, pillow, requests, pyyaml, packaging, rich, typing-extensions, cloudpickle):
+#   PATH=/tmp/venv312/bin:$PATH DEVICE=cpu COMPARE="--epochs 1" BENCH="--arch resnet18 --size 32 --bs 4 --steps 1 \
+#     --warmup 1 --overhead_arch resnet18 --repeats 1" bash tools/gpu_check.sh run
