@@ -89,9 +89,12 @@ class ModelToHalf(Callback):
         orig = self._stash[id(t)][1]
         return orig if torch.equal(t.data, orig.to(t.dtype)) else t.data.float()
 
-    def set_source(self, params:list, values:list):
+    def set_source(self, params:list, values:list,
+                   keep:bool=True, # keep the fp32 data of `params`; False frees it (remade from `values` after the fit)
+                  ):
         "Declare `values` (fp32 masters) as the true values of model `params` for the rest of the fit"
         self._sources.update({id(p): v for p,v in zip(params, values)})
+        if not keep: self._stash.update({id(p): (p, None) for p in params if id(p) in self._stash})
 
     def before_batch(self): _raise_pending(self)
 
@@ -117,7 +120,8 @@ class ModelToHalf(Callback):
             with torch.no_grad():
                 for t,orig in stash.values():
                     v = self.fp32_value(t)
-                    if v.data_ptr() != orig.data_ptr(): orig.copy_(v)
+                    if orig is None: orig = v.detach().clone()  # freed for a flat master: remade, in its layout
+                    elif v.data_ptr() != orig.data_ptr(): orig.copy_(v)
                     t.grad = None
                     t.data = orig
             self._hook.remove()
@@ -235,7 +239,7 @@ class MixedPrecision(Callback):
                 for part in partition_by_state(params, opt.state):  # one buffer per group and per-param option (do_wd...)
                     _, (flat,) = prep_param_lists(part, True, [mth.fp32_value(p) for p in part])
                     opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
-                    mth.set_source(part, flat._views)
+                    mth.set_source(part, flat._views, keep=False)  # the flat copy replaces the kept fp32 data
                     self._groups.append((part, [flat])); flats.append(flat)
                 new_lists.append(L(flats) + L(frozen))
             else:

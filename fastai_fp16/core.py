@@ -12,9 +12,10 @@ from fastcore.foundation import L
 from fastai.data.core import DataLoaders
 
 # %% auto #0
-__all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'cast_floats', 'make_flat_master',
-           'prep_param_lists', 'model_grads_to_master_grads', 'master_params_to_model_params', 'cast_state',
-           'flat_state', 'split_state', 'partition_by_state', 'unscale_grads_', 'synth_dls', 'tiny_model']
+__all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'cast_floats', 'flat_like',
+           'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
+           'master_params_to_model_params', 'cast_state', 'flat_state', 'split_state', 'partition_by_state',
+           'unscale_grads_', 'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -73,16 +74,38 @@ def cast_floats(b, # a tensor, or a (nested) tuple, list, `L` or dict of them
     return b
 
 # %% ../nbs/00_core.ipynb #e70c42bf
+def _dense(t:Tensor)->bool:
+    "Whether `t`'s elements fill `t.numel()` consecutive slots of its storage (contiguous, channels_last, ...)"
+    n = 1
+    for st,sz in sorted((st,sz) for st,sz in zip(t.stride(), t.shape) if sz != 1):
+        if st != n: return False
+        n *= sz
+    return True
+
+def flat_like(v:Tensor, # values to flatten
+              p:Tensor, # the param whose memory layout (strides) sets the order
+             )->Tensor: # 1-d fp32, `v`'s elements in `p`'s memory order
+    "`v` as a 1-d fp32 tensor in the memory order of `p`, so that `shaped_like` gives it back with `p`'s strides"
+    if not _dense(p): return v.float().reshape(-1)
+    if v.stride() != p.stride() or v.dtype != torch.float32: v = torch.empty_like(p, dtype=torch.float32).copy_(v)
+    return v.as_strided((v.numel(),), (1,))
+
+def shaped_like(seg:Tensor, # 1-d tensor of `p.numel()` elements (a slice of a flat buffer)
+                p:Tensor, # the param to look like
+               )->Tensor: # a view of `seg`
+    "View of `seg` with `p`'s shape and, when `p` is dense, its strides (a channels_last param gets a channels_last view)"
+    return seg.as_strided(p.shape, p.stride()) if _dense(p) else seg.view(p.shape)
+
 def _views(flat:Tensor, like:list)->list:
-    "Views of `flat` shaped like the tensors of `like`, end to end"
-    return [v.view_as(p) for v,p in zip(flat.split([p.numel() for p in like]), like)]
+    "Views of `flat` shaped (and strided) like the tensors of `like`, end to end"
+    return [shaped_like(v, p) for v,p in zip(flat.split([p.numel() for p in like]), like)]
 
 def make_flat_master(params:list, # model params the master stands for
                 values:list|None=None, # their exact fp32 values, if known (default: upcast `params`)
                )->nn.Parameter: # one fp32 parameter with a preallocated grad and cached views
     "One flat fp32 master for `params`, with views of its data and grad cached as `_views` and `_grad_views`"
     values = [p.detach() for p in params] if values is None else values
-    flat = nn.Parameter(torch.cat([v.reshape(-1).float() for v in values]) if values else
+    flat = nn.Parameter(torch.cat([flat_like(v, p) for v,p in zip(values, params)]) if values else
                         torch.zeros(0, device=params[0].device if params else None))
     flat.grad = torch.zeros_like(flat)
     flat._views, flat._grad_views = _views(flat.data, params), _views(flat.grad, params)
@@ -151,7 +174,7 @@ def flat_state(states:list, params:list)->dict:
     for k in set().union(*states):
         vs = [s.get(k) for s in states]
         if all(v is None or (isinstance(v, torch.Tensor) and v.shape == p.shape) for v,p in zip(vs, params)):
-            res[k] = torch.cat([(torch.zeros_like(p, dtype=torch.float32) if v is None else v.float()).reshape(-1)
+            res[k] = torch.cat([flat_like(torch.zeros_like(p, dtype=torch.float32) if v is None else v, p)
                                 for v,p in zip(vs, params)])
         else: res[k] = next(v for v in vs if v is not None)
     return res
@@ -163,7 +186,7 @@ def split_state(state:dict, params:list)->list:
     per = [dict() for _ in params]
     for k,v in state.items():
         parts = v.split([p.numel() for p in params]) if k in flat else [v]*len(params)
-        for d,x,p in zip(per, parts, params): d[k] = x.view_as(p).clone() if k in flat else x
+        for d,x,p in zip(per, parts, params): d[k] = shaped_like(x, p).clone() if k in flat else x
     return per
 
 def partition_by_state(params:list, state:dict)->list:

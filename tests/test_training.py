@@ -40,6 +40,29 @@ def test_flat_and_per_param_masters_agree():
         res.append(params(learn))
     for a, b in zip(*res): assert torch.equal(a, b)
 
+class _OptState(Callback):
+    "Adam's per-param state as the optimizer holds it at the last step of the fit (masters, flat or not)"
+    order = 20
+    def after_step(self):
+        mp = self.learn.mixed_precision
+        self.state = [[s[k].clone() for k in ('grad_avg', 'sqr_avg')] for s in mp.opt_state_dict()['state']]
+
+def test_flat_masters_keep_channels_last():
+    "A channels_last bf16 conv net: flat masters (strided like the params) train exactly as per-param ones"
+    x, y = torch.rand(48, 3, 16, 16), torch.randint(0, 2, (48,))
+    res = []
+    for flat in (False, True):
+        torch.manual_seed(0); st = _OptState()
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+        learn = Learner(dls_from(x, y, bs=8), model, loss_func=CrossEntropyLossFlat(), opt_func=Adam, cbs=st)
+        learn.to_half(torch.bfloat16, flat_master=flat, channels_last=True)
+        learn.fit(1, 1e-2)
+        assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        res.append((params(learn), st.state))
+    (w0, s0), (w1, s1) = res
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for sa, sb in zip(s0, s1) for a, b in zip(sa, sb))
+
 def test_growth_after_interval():
     learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss()).to_half(init_scale=4., growth_interval=2)
     learn.fit(1, 1e-3)
