@@ -140,6 +140,11 @@ def test_load_during_fit_is_refused():
     with pytest.raises(RuntimeError, match='middle of a half-precision fit'): learn.fit(1, cbs=Loader())
     assert fp32_everywhere(learn)
 
+class Seen(Callback):
+    "The dtypes of the model's params at each batch"
+    def before_fit(self): self.dtypes = set()
+    def after_pred(self): self.dtypes |= {p.dtype for p in self.model.parameters()}
+
 def test_export_and_load_learner():
     tmp = Path(tempfile.mkdtemp())
     learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half()
@@ -152,7 +157,11 @@ def test_export_and_load_learner():
         for v in cb.__dict__.values(): assert not (isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16))
         assert not set(getattr(cb, '_stateattrs', ())) & set(cb.__dict__)
     new.dls = learn.dls
-    assert torch.equal(new.get_preds()[0], preds)
+    seen = Seen()
+    assert torch.equal(new.get_preds(cbs=seen)[0], preds)
+    assert seen.dtypes == {torch.float32}  # fp16 predictions on CPU run fp32 (~18x faster), as fastai's load_learner does
+    learn.to_float()
+    assert torch.equal(learn.get_preds()[0], preds)  # the same as the plain fp32 model's
     assert all(torch.equal(a, b) for a, b in zip(new.model.parameters(), learn.model.parameters()))
 
 def test_exception_mid_fit_cleans_diagnostics():
