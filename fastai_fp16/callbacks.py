@@ -190,7 +190,7 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
-    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
         dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
@@ -205,11 +205,12 @@ class MixedPrecision(Callback):
         clip:float|None=None, # max global norm of the unscaled fp32 grads
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
+        keep_master_grads:bool|None=None, # keep the masters' fp32 grads between steps (default: on CPU, not on CUDA)
     ):
         self.scaler = LossScaler(init_scale, dynamic, growth_factor, backoff_factor, growth_interval, hysteresis,
                                  min_scale, max_scale, max_consecutive_skips)
         if clip is not None and clip <= 0: raise ValueError(f"clip is a max gradient norm and must be > 0, got {clip}.")
-        store_attr('master_weights,flat_master,clip,loss_fp32')
+        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads')
         self.skipped,self.scales = 0,L()
 
     @property
@@ -266,6 +267,10 @@ class MixedPrecision(Callback):
         self._sep = self._masters if self.flat_master else [m for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]
         self._aside = []  # (master, its grad) set aside from fastai's zero_grad between steps
         dev = next(iter(self.learn.model.parameters())).device
+        # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
+        # memory; CUDA's caching allocator hands the same blocks back each step, while on CPU fresh ones page-fault
+        keep = self.keep_master_grads
+        self._drop = not (dev.type != 'cuda' if keep is None else keep) and not self.flat_master  # flat: views are cached
         self._found_inf, self._inv_scale = torch.zeros(2, device=dev), torch.ones(1, device=dev)
         self._inv_scale.fill_(1./self.loss_scale)
 
@@ -289,7 +294,7 @@ class MixedPrecision(Callback):
     def before_step(self):
         self._stepped = False
         if self.master_weights:
-            for m,g in self._aside: m.grad = g
+            for m,g in self._aside: m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
             for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master)
             for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
         grads = self._master_grads()
@@ -320,7 +325,7 @@ class MixedPrecision(Callback):
         if self._stepped:
             for params,masters in self._groups: master_params_to_model_params(params, masters, self.flat_master)
         # every master grad is overwritten (or zeroed) by the next copy: fastai's zero_grad need not zero them first
-        self._aside = [(m, m.grad) for m in self._sep if m.grad is not None]
+        self._aside = [(m, None if self._drop else m.grad) for m in self._sep if m.grad is not None]
         for m,_ in self._aside: m.grad = None
 
     def after_fit(self):

@@ -186,17 +186,35 @@ class _FirstBatchOnly(Callback):
     def before_batch(self): self.model.use_idle = self.training and self.iter == 0 and self.epoch == 0
     def after_step(self): self.ws.append(self.model.idle.weight.detach().float().clone())
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_params_that_stop_getting_grads_step_as_in_fp32(flat):
+@pytest.mark.parametrize('flat,keep', [(False, True), (False, False), (True, None)])
+def test_params_that_stop_getting_grads_step_as_in_fp32(flat, keep):
     "fastai zeroes grads in place, so a param that had a grad keeps stepping on zeros (Adam momentum, wd): ours too"
     runs = []
     for half in (False, True):
         torch.manual_seed(0); rec = _FirstBatchOnly()
         learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=rec)
-        if half: learn.to_half(flat_master=flat, init_scale=128, dynamic=False)  # no skipped first step
+        if half: learn.to_half(flat_master=flat, keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
         learn.fit(2, 1e-2)
         runs.append(rec.ws)
     (fp32, ours) = runs
     assert len(ours) == len(fp32) > 2 and not torch.equal(fp32[-1], fp32[0])  # fp32 keeps moving it...
     assert not torch.equal(ours[-1], ours[0])  # ...and so do we
     assert torch.allclose(ours[-1], fp32[-1], atol=2e-3), (ours[-1] - fp32[-1]).abs().max()
+
+class _HeldBetweenSteps(Callback):
+    "Whether MixedPrecision holds fp32 grad buffers for the masters during the backward pass"
+    order = 20
+    def before_fit(self): self.held = []
+    def before_backward(self):
+        if self.train_iter: self.held.append([g is not None for _,g in self.learn.mixed_precision._aside])
+
+def test_dropped_master_grads_train_identically():
+    "keep_master_grads=False (CUDA's default): no fp32 grad buffers in the backward pass, the same weights"
+    res = []
+    for keep in (True, False):
+        held = _HeldBetweenSteps()
+        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=held)
+        learn.to_half(keep_master_grads=keep).fit(2, 1e-2)
+        res.append(params(learn))
+        assert len(held.held) > 4 and all(all(h) == keep and any(h) == keep for h in held.held)
+    assert all(torch.equal(a, b) for a, b in zip(*res))
