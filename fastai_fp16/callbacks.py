@@ -268,7 +268,7 @@ class MixedPrecision(Callback):
         self._aside = []  # (master, its grad) set aside from fastai's zero_grad between steps
         dev = next(iter(self.learn.model.parameters())).device
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
-        # memory; CUDA's caching allocator hands the same blocks back each step, while on CPU fresh ones page-fault
+        # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
         keep = self.keep_master_grads
         self._drop = not (dev.type != 'cuda' if keep is None else keep) and not self.flat_master  # flat: views are cached
         self._found_inf, self._inv_scale = torch.zeros(2, device=dev), torch.ones(1, device=dev)
