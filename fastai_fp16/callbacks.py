@@ -262,9 +262,11 @@ class MixedPrecision(Callback):
                 self._groups.append((params, masters))
         opt.param_lists = new_lists
         self._masters = [m for _,ms in self._groups for m in ms]  # what the optimizer steps, made once per fit
-        # model params with a separate master (all but the fp32 ones): their grads are dropped once copied
-        self._zero = [p for ps,ms in self._groups for p,m in zip(ps, ps if self.flat_master else ms) if self.flat_master or m is not p]
-        self._sep = self._masters if self.flat_master else [m for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]
+        # model params with a separate master, whose grads are dropped once copied, and those masters
+        if self.flat_master: self._zero, self._sep = [p for ps,_ in self._groups for p in ps], self._masters
+        else:
+            sep = [(p,m) for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]  # fp32 params are their own
+            self._zero, self._sep = [p for p,_ in sep], [m for _,m in sep]
         self._aside = []  # (master, its grad) set aside from fastai's zero_grad between steps
         dev = next(iter(self.learn.model.parameters())).device
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
