@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy, ctypes, gc, json as jsonlib, platform, statistics, time
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn as nn
-from torch import Tensor
 from fastcore.basics import store_attr
 from fastcore.script import call_parse, anno_parser, bool_arg
 from fastai.callback.core import Callback, CancelValidException
@@ -17,7 +16,9 @@ from fastai.optimizer import SGD
 from fastai.torch_core import to_float
 import fastai.callback.fp16 as fa16
 from .core import *
-from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, ToChannelsLast, half_dtype, _cl
+from .core import half_dtype
+from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision
+from .learner import ToChannelsLast
 
 # %% auto #0
 __all__ = ['cpu_variants', 'cuda_variants', 'half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench',

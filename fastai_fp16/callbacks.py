@@ -6,7 +6,6 @@
 from __future__ import annotations
 import warnings
 import torch, torch.nn as nn
-from torch import Tensor
 import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
@@ -16,7 +15,7 @@ from .core import *
 from .scaler import *
 
 # %% auto #0
-__all__ = ['half_dtype', 'ModelToHalf', 'BatchNormToFloat', 'ToChannelsLast', 'MixedPrecision']
+__all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
 
 # %% ../nbs/02_callbacks.ipynb #39118875
 def _find_cb(learn, cls):
@@ -39,16 +38,6 @@ def _in_fit(learn)->bool:
     "Whether `before_fit` comes from `fit`, not `validate`/`get_preds` (fastai holds `learn.lock` in those)"
     lock = getattr(learn, 'lock', None)
     return bool(getattr(learn, '_fp16_in_fit', 0)) or lock is None or not lock.locked()
-
-_half_dtypes = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
-                'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
-
-def half_dtype(dtype)->torch.dtype:
-    "`torch.float16` or `torch.bfloat16` from a dtype or its name ('fp16', 'bf16')"
-    d = _half_dtypes.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if d not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"Half precision means torch.float16 ('fp16') or torch.bfloat16 ('bf16'), got {dtype!r}.")
-    return d
 
 # %% ../nbs/02_callbacks.ipynb #69c26c39
 class ModelToHalf(Callback):
@@ -154,18 +143,6 @@ class BatchNormToFloat(Callback):
         _find_cb(self.learn, ModelToHalf).restore([t for m in self.learn.model.modules() if isinstance(m, keep) for t in module_tensors(m)])
     def before_batch(self): _raise_pending(self)
     def after_fit(self): self.__dict__.pop('_pending', None)
-
-# %% ../nbs/02_callbacks.ipynb #8d760a16
-def _cl(x):
-    if isinstance(x, Tensor): return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and x.is_floating_point() else x
-    if isinstance(x, (list, tuple)) and not hasattr(x, '_fields'): return type(x)(_cl(o) for o in x)
-    return x
-
-class ToChannelsLast(Callback):
-    "Model and 4-d input batches in `torch.channels_last` memory format for the fit"
-    order = ModelToHalf.order - 10  # before ModelToHalf: the fp32 values it keeps (our masters) are channels_last too
-    def before_fit(self): self.learn.model.to(memory_format=torch.channels_last)
-    def before_batch(self): self.learn.xb = _cl(self.xb)
 
 # %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):

@@ -12,8 +12,8 @@ from fastcore.foundation import L
 from fastai.data.core import DataLoaders
 
 # %% auto #0
-__all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'cast_floats', 'flat_like',
-           'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
+__all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'half_dtype', 'cast_floats',
+           'flat_like', 'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
            'master_params_to_model_params', 'cast_state', 'flat_state', 'split_state', 'partition_by_state',
            'unscale_grads_', 'synth_dls', 'tiny_model']
 
@@ -59,6 +59,17 @@ def convert_network(model:nn.Module, # model to convert in place
         t.data = t.data.to(torch.float32 if id(t) in kept else dtype)
         if t.grad is not None: t.grad = t.grad.to(t.dtype)
     return model
+
+# %% ../nbs/00_core.ipynb #a3d5c8e1
+_half_dtypes = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
+                'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
+
+def half_dtype(dtype)->torch.dtype:
+    "`torch.float16` or `torch.bfloat16` from a dtype or its name ('fp16', 'bf16')"
+    d = _half_dtypes.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if d not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"Half precision means torch.float16 ('fp16') or torch.bfloat16 ('bf16'), got {dtype!r}.")
+    return d
 
 # %% ../nbs/00_core.ipynb #8988cb7e
 def cast_floats(b, # a tensor, or a (nested) tuple, list, `L` or dict of them

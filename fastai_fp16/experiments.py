@@ -8,7 +8,6 @@ import random, time, warnings
 from functools import partial
 import numpy as np, pandas as pd
 import torch, torch.nn as nn, torch.nn.functional as F
-from fastcore.basics import ifnone
 from fastai.callback.core import Callback
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
@@ -17,7 +16,7 @@ from fastai.optimizer import SGD
 from fastai.torch_core import set_seed
 from fastai.callback.schedule import *  # fit_one_cycle
 import fastai.callback.fp16  # patches Learner.to_fp16 (for the fastai_native recipe)
-from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision, _find_cb
+from .callbacks import ModelToHalf, MixedPrecision, _find_cb
 from .scaler import LossScaleError
 import fastai_fp16.learner  # patches Learner.to_half
 

@@ -10,10 +10,25 @@ import torch
 from fastcore.basics import patch
 from fastcore.meta import delegates
 from fastai.learner import Learner
+from torch import Tensor
+from fastai.callback.core import Callback
+from .core import half_dtype
 from .callbacks import *
 
 # %% auto #0
-__all__ = []
+__all__ = ['ToChannelsLast']
+
+# %% ../nbs/03_learner.ipynb #8d760a16
+def _cl(x):
+    if isinstance(x, Tensor): return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and x.is_floating_point() else x
+    if isinstance(x, (list, tuple)) and not hasattr(x, '_fields'): return type(x)(_cl(o) for o in x)
+    return x
+
+class ToChannelsLast(Callback):
+    "Model and 4-d input batches in `torch.channels_last` memory format for the fit"
+    order = ModelToHalf.order - 10  # before ModelToHalf: the fp32 values it keeps (our masters) are channels_last too
+    def before_fit(self): self.learn.model.to(memory_format=torch.channels_last)
+    def before_batch(self): self.learn.xb = _cl(self.xb)
 
 # %% ../nbs/03_learner.ipynb #7157cb82
 _fp16_cbs = (ToChannelsLast, ModelToHalf, BatchNormToFloat, MixedPrecision)
