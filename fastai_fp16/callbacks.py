@@ -167,7 +167,7 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
-    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
         dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
@@ -244,7 +244,7 @@ class MixedPrecision(Callback):
         else:
             sep = [(p,m) for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]  # fp32 params are their own
             self._zero, self._sep = [p for p,_ in sep], [m for _,m in sep]
-        self._aside = []  # (master, its grad) set aside from fastai's zero_grad between steps
+        self._aside, self._fresh = [], True  # (master, its grad) set aside from fastai's zero_grad between steps
         dev = next(iter(self.learn.model.parameters())).device
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
@@ -263,19 +263,29 @@ class MixedPrecision(Callback):
         if isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
 
     def before_backward(self):
-        self._loss_bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
+        bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
+        self._loss_bad = bad if self._fresh else self._loss_bad | bad  # over all the micro-batches of a step
         self.scales.append(self.loss_scale)
         if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
 
     def _master_grads(self)->list:
         return [m.grad for m in self._masters if m.grad is not None]
 
+    def _accumulate(self):
+        "This batch's half grads into the masters' fp32 grads: copied at a step's first (micro-)batch, added after"
+        fresh, self._fresh = self._fresh, False
+        if not self.master_weights: return
+        if fresh:
+            for m,g in self._aside: m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
+        for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master, not fresh)
+        for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
+
+    def after_cancel_batch(self):  # a micro-batch that `GradientAccumulation` (or any callback) kept from stepping
+        if self.training and getattr(self, '_ready', False): self._accumulate()
+
     def before_step(self):
         self._stepped = False
-        if self.master_weights:
-            for m,g in self._aside: m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
-            for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master)
-            for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
+        self._accumulate()
         grads = self._master_grads()
         fi = self._found_inf
         fi.zero_()
@@ -300,6 +310,7 @@ class MixedPrecision(Callback):
         if self.loss_scale != old: self._inv_scale.fill_(1./self.loss_scale)
 
     def after_step(self):
+        self._fresh = True  # the next batch starts a new step's grads
         if not self.master_weights: return  # the optimizer stepped (and zero_grad zeroes) the model itself
         if self._stepped:
             for params,masters in self._groups: master_params_to_model_params(params, masters, self.flat_master)

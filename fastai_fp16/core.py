@@ -141,24 +141,24 @@ def prep_param_lists(model:nn.Module|Iterable[Tensor], # a model (its trainable 
 def model_grads_to_master_grads(model_params:list, # half model params
                                 master_params:list, # their fp32 masters (`prep_param_lists`)
                                 flat_master:bool=False, # masters are one flat param
+                                accumulate:bool=False, # add to the masters' grads (a further micro-batch), in fp32
                                ):
-    "Copy the model params' grads into the masters' fp32 grads in one fused copy"
+    "Copy (or add) the model params' grads into the masters' fp32 grads in one fused op"
     if flat_master:  # a flat master steps as one: a missing grad counts as zero
         dst, src = master_params[0]._grad_views, [p.grad for p in model_params]
-        missing = [d for d,g in zip(dst, src) if g is None]
-        if missing: torch._foreach_zero_(missing)
+        missing = [d for d,g in zip(dst, src) if g is None and not accumulate]
         pairs = [(d,g) for d,g in zip(dst, src) if g is not None]
     else:
         pairs, missing = [], []
         for p,m in zip(model_params, master_params):
             if m is p: continue  # its own master: the grad is already in place
             if p.grad is None:  # no grad this step: the master follows its optimizer's `zero_grad`, as `p` would.
-                if m.grad is not None: missing.append(m.grad)  # Kept grads (fastai) become zeros and are stepped;
-                continue  # none (torch's set_to_none) means the optimizer skips it
-            if m.grad is None: m.grad = torch.empty_like(m)  # allocated at its first grad, reused after
+                if m.grad is not None and not accumulate: missing.append(m.grad)  # Kept grads (fastai) become zeros
+                continue  # and are stepped; none (torch's set_to_none) means the optimizer skips it
+            if m.grad is None: m.grad = torch.zeros_like(m) if accumulate else torch.empty_like(m)  # reused after
             pairs.append((m.grad, p.grad))
-        if missing: torch._foreach_zero_(missing)
-    if pairs: torch._foreach_copy_([d for d,_ in pairs], [g for _,g in pairs])
+    if missing: torch._foreach_zero_(missing)
+    if pairs: (torch._foreach_add_ if accumulate else torch._foreach_copy_)([d for d,_ in pairs], [g for _,g in pairs])
 
 def master_params_to_model_params(model_params:list, # half model params to update
                                   master_params:list, # their fp32 masters

@@ -31,6 +31,20 @@ def test_nan_batch_is_skipped(flat):
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(snap.after, params(learn)))  # later batches trained
 
+@pytest.mark.parametrize('flat', [False, True])
+def test_nan_micro_batch_skips_its_step(flat):
+    "With GradientAccumulation, a NaN in a step's first micro-batch (not its last) still skips that step, without blame"
+    from fastai.callback.training import GradientAccumulation
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[0:8] = float('nan')  # the first batch of the first 4-batch step
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(bn=False), loss_func=nn.MSELoss(), opt_func=Adam,
+                    cbs=GradientAccumulation(32)).to_half(init_scale=256., flat_master=flat)
+    w = params(learn)
+    learn.fit(1, 1e-2)  # 6 batches: the step after batch 4 is skipped, the last 2 do not step
+    mp = learn.mixed_precision
+    assert mp.skipped == 1 and mp.loss_scale == 256.  # skipped, and the scale not blamed for bad data
+    assert all(torch.equal(a, b) for a, b in zip(w, params(learn)))
+
 def _usable(learn):
     assert fp32_everywhere(learn) and opt_on_model(learn)
     learn.fit(1, 1e-3)
