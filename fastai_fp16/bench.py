@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_bench.ipynb #e2efd276
 from __future__ import annotations
-import copy, ctypes, gc, json as jsonlib, platform, statistics, time
+import copy, ctypes, gc, json as jsonlib, operator, platform, statistics, time
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
@@ -222,12 +222,22 @@ def _ratios(best:dict, device)->tuple:
         r.update({'ours_bf16/fp32 speed (CPU time)': cpu('ours_bf16','fp32'),
                   'ours_bf16/autocast_bf16 speed (CPU time)': cpu('ours_bf16','autocast_bf16')})
         t = {'ours_bf16/fp32 speed': ('>=', 1.8), 'ours_bf16/autocast_bf16 speed': ('>=', 1.1), 'ours_bf16/fp32 memory': ('<=', 1.0)}
-    met = {k: None if r[k] is None else (r[k] >= v if op == '>=' else r[k] <= v if op == '<=' else r[k] < v) for k,(op,v) in t.items()}
-    return r, {k: f'{op} {v}' for k,(op,v) in t.items()}, met
+    return r, t
+
+_ops = {'>=': operator.ge, '<=': operator.le, '<': operator.lt}
+def _judge(r:dict, t:dict)->dict:
+    "Whether each ratio of `r` meets its target in `t` (None where it could not be measured)"
+    return {k: None if r[k] is None else _ops[op](r[k], v) for k,(op,v) in t.items()}
+
+def _median_run(rs:list)->dict:
+    "One run's figures as the medians over the sweeps `rs` of the same variant and layout"
+    med = lambda k: None if any(r[k] is None for r in rs) else statistics.median(r[k] for r in rs)
+    return dict(rs[0], step_ms=med('step_ms'), cpu_ms=med('cpu_ms'), images_per_s=med('images_per_s'),
+                peak_mb=med('peak_mb'), extra_mb=med('extra_mb'), final_loss=rs[-1]['final_loss'])
 
 def e2e_bench(arch:str='resnet18', size:int=128, bs:int=32, steps:int=5, warmup:int=2, device='cpu',
               variants:tuple|None=None, layouts:tuple=(False, True), n_classes:int=10,
-              rounds:int=1, # sweeps over all variants, interleaved; each variant's figure is its best sweep
+              rounds:int=1, # interleaved sweeps over all variants; figures and ratios are medians over sweeps
              )->dict:
     "Every variant in every layout through `Learner.fit`, from the same weights; best layout per variant, ratios"
     device = torch.device(device)
@@ -236,14 +246,17 @@ def e2e_bench(arch:str='resnet18', size:int=128, bs:int=32, steps:int=5, warmup:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(bs, 3, size, size, generator=g).to(device), torch.randint(0, n_classes, (bs,), generator=g).to(device))
                for _ in range(2)]
-    runs = [run_variant(model, batches, k, cl, device, steps, warmup) for _ in range(rounds) for k in variants for cl in layouts]
-    if rounds > 1:  # best sweep of each (variant, layout)
-        runs = [min((r for r in runs if (r['kind'], r['channels_last']) == (k, cl)), key=lambda r: r['step_ms'])
-                for k in variants for cl in layouts]
+    sweeps = [{(k, cl): run_variant(model, batches, k, cl, device, steps, warmup) for k in variants for cl in layouts}
+              for _ in range(rounds)]
+    runs = [_median_run([sw[k, cl] for sw in sweeps]) for k in variants for cl in layouts]
     best = {k: min((r for r in runs if r['kind'] == k), key=lambda r: r['step_ms']) for k in variants}
     res = dict(arch=arch, size=size, bs=bs, steps=steps, warmup=warmup, rounds=rounds, device=str(device), runs=runs, best=best)
     if set(variants) >= set(cuda_variants if device.type == 'cuda' else cpu_variants):
-        res['ratios'], res['targets'], res['met'] = _ratios(best, device)
+        # ratios within each sweep (its variants ran side by side), then their median: drift between sweeps cancels
+        per = [_ratios({k: sw[k, best[k]['channels_last']] for k in variants}, device)[0] for sw in sweeps]
+        ratios = {k: None if any(p[k] is None for p in per) else statistics.median(p[k] for p in per) for k in per[0]}
+        t = _ratios(best, device)[1]
+        res['ratios'], res['targets'], res['met'] = ratios, {k: f'{op} {v}' for k,(op,v) in t.items()}, _judge(ratios, t)
     return res
 
 # %% ../nbs/20_bench.ipynb #eec74be9
@@ -276,7 +289,7 @@ def markdown_table(res:dict)->str:
     if 'e2e' in res:
         e = res['e2e']
         out += [f"End-to-end `Learner.fit` step, {e['arch']} {e['size']}px bs {e['bs']}, {e['device']}, median of "
-                f"{e['steps']} steps after {e['warmup']} (best of {e['rounds']} sweeps):", '',
+                f"{e['steps']} steps after {e['warmup']} (median of {e['rounds']} interleaved sweeps):", '',
                 '| variant | layout | ms/step | CPU ms/step | images/s | peak MB (extra) | best |', '|---|---|---|---|---|---|---|']
         for r in e['runs']:
             b = e['best'][r['kind']] is r or e['best'][r['kind']] == r
@@ -298,7 +311,7 @@ def bench(device:str='cpu', # cpu or cuda
           warmup:int=2, # untimed steps first
           json:str=None, # write every figure and ratio to this JSON file
           overhead_arch:str='resnet50', # torchvision model whose param list the overhead benchmark uses
-          rounds:int=1, # end-to-end sweeps over all variants (best of), against drift on a shared machine
+          rounds:int=1, # interleaved end-to-end sweeps (medians; ratios per sweep), against drift on a shared machine
           repeats:int=20, # timed repeats of the overhead benchmark (median)
           overhead:bool_arg=True, # run the optimizer-side overhead benchmark
           e2e:bool_arg=True, # run the end-to-end benchmark

@@ -30,7 +30,7 @@ fetch)
   du -sh .whl ;;
 run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
   : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}"
-  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5 --rounds 2}" "${COMPARE:=}"
+  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5 --rounds 3}" "${COMPARE:=}"
   mkdir -p "$OUT"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
