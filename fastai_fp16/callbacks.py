@@ -167,6 +167,7 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
+    flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
     _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
         init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
@@ -178,7 +179,7 @@ class MixedPrecision(Callback):
         min_scale:float=1., # floor of the scale; an overflow at it raises `LossScaleError`
         max_scale:float=2.**24, # ceiling of the scale
         master_weights:bool=True, # keep fp32 masters that the optimizer steps
-        flat_master:bool=False, # one flat fp32 master buffer per param group
+        flat_master:bool=False, # flat fp32 master buffers per param group (chunks of `flat_numel` elements)
         clip:float|None=None, # max global norm of the unscaled fp32 grads
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
@@ -223,7 +224,8 @@ class MixedPrecision(Callback):
                 self._groups.append((params, params)); new_lists.append(L(pg)); continue
             if self.flat_master:
                 flats = []
-                for part in partition_by_state(params, opt.state):  # one buffer per group and per-param option (do_wd...)
+                parts = [c for part in partition_by_state(params, opt.state) for c in chunk_params(part, self.flat_numel)]
+                for part in parts:  # buffers per group, per-param option (do_wd...) and chunk of `flat_numel` elements
                     _, (flat,) = prep_param_lists(part, True, [mth.fp32_value(p) for p in part])
                     opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
                     mth.set_source(part, flat._views, keep=False)  # the flat copy replaces the kept fp32 data

@@ -15,7 +15,7 @@ from fastai.data.core import DataLoaders
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'half_dtype', 'cast_floats',
            'flat_like', 'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
            'master_params_to_model_params', 'cast_state', 'flat_state', 'split_state', 'partition_by_state',
-           'unscale_grads_', 'synth_dls', 'tiny_model']
+           'chunk_params', 'unscale_grads_', 'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -207,6 +207,16 @@ def partition_by_state(params:list, state:dict)->list:
         key = tuple(sorted((k, repr(v)) for k,v in state.get(p, {}).items() if not isinstance(v, torch.Tensor)))
         parts.setdefault(key, []).append(p)
     return list(parts.values())
+
+def chunk_params(params:list, # params that may share a flat buffer
+                 max_numel:int=2**20, # the most elements per chunk (a larger param is a chunk of its own)
+                )->list: # lists of consecutive params
+    "Consecutive runs of `params` of at most `max_numel` elements in all: one flat master each"
+    res, n = [], 0
+    for p in params:
+        if res and n + p.numel() <= max_numel: res[-1].append(p); n += p.numel()
+        else: res.append([p]); n = p.numel()
+    return res
 
 # %% ../nbs/00_core.ipynb #3daee561
 def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtypes, one device)

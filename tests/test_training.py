@@ -32,13 +32,22 @@ def test_nvidia_recipe_equals_learner():
     assert learn.mixed_precision.scales == [128.]*steps
     for a, b in zip(learn.model.parameters(), master_params): assert torch.equal(a, b)
 
+class _NFlat(Callback):
+    order = 20
+    def before_step(self): self.n = len(self.learn.opt.param_lists[0])
+
 def test_flat_and_per_param_masters_agree():
-    res = []
-    for flat in (False, True):
-        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam).to_half(flat_master=flat)
+    "Per-param masters, one flat buffer, and flat buffers cut in chunks (here of at most 20 elements) train alike"
+    res, ns = [], []
+    for flat, numel in ((False, None), (True, None), (True, 20)):
+        nf = _NFlat()
+        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=nf).to_half(flat_master=flat)
+        if numel: learn.mixed_precision.flat_numel = numel
         learn.fit(2, 1e-2)
         res.append(params(learn))
-    for a, b in zip(*res): assert torch.equal(a, b)
+        ns.append(nf.n)  # what the optimizer's group holds: params, or flat buffers
+    assert ns[0] == 6 and 1 < ns[1] < ns[2] < 6, ns  # buffers per set of options (do_wd...), more when chunked
+    for a, b, c in zip(*res): assert torch.equal(a, b) and torch.equal(a, c)
 
 class _OptState(Callback):
     "Adam's per-param state as the optimizer holds it at the last step of the fit (masters, flat or not)"
