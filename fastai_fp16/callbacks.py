@@ -216,30 +216,9 @@ class MixedPrecision(Callback):
         "Masters for the trainable params, swapped into the optimizer with their state"
         self._ready, self.skipped, self.scales = True, 0, L()
         opt, mth = self.learn.opt, self._mth
-        self._old_lists, self._groups, new_lists = opt.param_lists, [], L()
-        for pg in opt.param_lists:
-            params = [p for p in pg if p.requires_grad]
-            frozen = [p for p in pg if not p.requires_grad]
-            if not self.master_weights:
-                self._groups.append((params, params)); new_lists.append(L(pg)); continue
-            if self.flat_master:
-                flats = []
-                parts = [c for part in partition_by_state(params, opt.state) for c in chunk_params(part, self.flat_numel)]
-                for part in parts:  # buffers per group, per-param option (do_wd...) and chunk of `flat_numel` elements
-                    _, (flat,) = prep_param_lists(part, True, [mth.fp32_value(p) for p in part])
-                    opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
-                    mth.set_source(part, flat._views, keep=False)  # the flat copy replaces the kept fp32 data
-                    self._groups.append((part, [flat])); flats.append(flat)
-                new_lists.append(L(flats) + L(frozen))
-            else:
-                _, masters = prep_param_lists(params, False, [mth.fp32_value(p) for p in params])
-                for p,m in zip(params, masters):
-                    if m is not p: opt.state[m] = cast_state(opt.state.pop(p, {}), torch.float32)
-                it = iter(masters)
-                new_lists.append(L(next(it) if p.requires_grad else p for p in pg))
-                mth.set_source(params, masters)
-                self._groups.append((params, masters))
-        opt.param_lists = new_lists
+        self._old_lists = opt.param_lists
+        if self.master_weights: self._groups = swap_in_masters(opt, mth.fp32_value, mth.set_source, self.flat_master, self.flat_numel)
+        else: self._groups = [([p for p in pg if p.requires_grad],)*2 for pg in opt.param_lists]  # it steps the half params
         self._masters = [m for _,ms in self._groups for m in ms]  # what the optimizer steps, made once per fit
         # model params with a separate master, whose grads are dropped once copied, and those masters
         if self.flat_master: self._zero, self._sep = [p for ps,_ in self._groups for p in ps], self._masters
@@ -328,12 +307,7 @@ class MixedPrecision(Callback):
         "The optimizer back on the model's own params with their state (fp32 again); run state dropped"
         opt = self.learn.opt if self.learn is not None else None
         if getattr(self, '_ready', False) and opt is not None:
-            for params,masters in self._groups:
-                if not self.master_weights: states = [opt.state.pop(p, {}) for p in params]
-                elif self.flat_master: states = split_state(opt.state.pop(masters[0], {}), params)
-                else: states = [opt.state.pop(m, {}) for m in masters]
-                for p,s in zip(params, states): opt.state[p] = cast_state(s, torch.float32)
-            opt.param_lists = self._old_lists
+            swap_out_masters(opt, self._groups, self._old_lists, self.flat_master and self.master_weights)
         scales = getattr(self, 'scales', L())
         for a in self._stateattrs: self.__dict__.pop(a, None)
         self.scales = scales  # kept for inspection until the next fit

@@ -15,7 +15,7 @@ from fastai.data.core import DataLoaders
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'half_dtype', 'cast_floats',
            'flat_like', 'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
            'master_params_to_model_params', 'cast_state', 'flat_state', 'split_state', 'partition_by_state',
-           'chunk_params', 'unscale_grads_', 'synth_dls', 'tiny_model']
+           'chunk_params', 'swap_in_masters', 'swap_out_masters', 'unscale_grads_', 'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -217,6 +217,47 @@ def chunk_params(params:list, # params that may share a flat buffer
         if res and n + p.numel() <= max_numel: res[-1].append(p); n += p.numel()
         else: res.append([p]); n = p.numel()
     return res
+
+# %% ../nbs/00_core.ipynb #b81f3e21
+def swap_in_masters(opt, # a fastai `Optimizer`, whose groups' trainable params are replaced by their masters
+                    fp32_value, # function: model param -> its exact fp32 value
+                    set_source=None, # called as `set_source(params, masters, keep)` for each set of masters made
+                    flat_master:bool=False, # flat buffers (per group, per-param options and chunk) instead of one per param
+                    flat_numel:int=2**20, # the most elements per flat buffer
+                   )->list: # (model params, their masters) for each set
+    "Put fp32 masters in `opt` in place of its trainable params, with their state moved across as fp32"
+    groups, new_lists = [], L()
+    for pg in opt.param_lists:
+        params, frozen = [p for p in pg if p.requires_grad], [p for p in pg if not p.requires_grad]
+        if flat_master:
+            flats = []
+            for part in [c for part in partition_by_state(params, opt.state) for c in chunk_params(part, flat_numel)]:
+                _, (flat,) = prep_param_lists(part, True, [fp32_value(p) for p in part])
+                opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
+                if set_source: set_source(part, flat._views, False)  # the flat copy replaces the kept fp32 data
+                groups.append((part, [flat])); flats.append(flat)
+            new_lists.append(L(flats) + L(frozen))
+        else:
+            _, masters = prep_param_lists(params, False, [fp32_value(p) for p in params])
+            for p,m in zip(params, masters):
+                if m is not p: opt.state[m] = cast_state(opt.state.pop(p, {}), torch.float32)
+            it = iter(masters)
+            new_lists.append(L(next(it) if p.requires_grad else p for p in pg))
+            if set_source: set_source(params, masters, True)
+            groups.append((params, masters))
+    opt.param_lists = new_lists
+    return groups
+
+def swap_out_masters(opt, # the `Optimizer` given to `swap_in_masters`
+                     groups:list, # what `swap_in_masters` returned
+                     old_lists, # `opt.param_lists` before it
+                     flat_master:bool=False, # the masters are flat
+                    ):
+    "Put the model params back in `opt` in place of their masters, with the masters' state (fp32)"
+    for params,masters in groups:
+        states = split_state(opt.state.pop(masters[0], {}), params) if flat_master else [opt.state.pop(m, {}) for m in masters]
+        for p,s in zip(params, states): opt.state[p] = cast_state(s, torch.float32)
+    opt.param_lists = old_lists
 
 # %% ../nbs/00_core.ipynb #3daee561
 def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtypes, one device)
