@@ -1,6 +1,8 @@
 "Every public name of fastai_fp16; importing it also adds `Learner.to_half` / `Learner.to_float`."
 from .core import *
 from .scaler import *
+from .hardware import *
+from .fp32math import *
 from .callbacks import *
 from .learner import *
 from .data import *

@@ -7,12 +7,14 @@ from __future__ import annotations
 import warnings
 import torch, torch.nn as nn
 import torch.distributed as dist
-from fastcore.basics import store_attr
+from fastcore.basics import store_attr, noop
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
 from fastai.optimizer import Optimizer
 from .core import *
 from .scaler import *
+from .hardware import detect, plan_precision, _fp32_math_arg
+from .fp32math import patch_fp32_math, unpatch_fp32_math
 
 # %% auto #0
 __all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
@@ -34,6 +36,11 @@ def _raise_pending(cb):
     e = cb.__dict__.pop('_pending', None)
     if e is not None: raise e
 
+def _run_device(learn, ts:list)->torch.device:
+    "Where a fit runs: the `DataLoaders`' device (fastai moves the model there), else the model's"
+    d = getattr(getattr(learn, 'dls', None), 'device', None)
+    return torch.device(d) if d is not None else ts[0].device if ts else torch.device('cpu')
+
 def _in_fit(learn)->bool:
     "Whether `before_fit` comes from `fit`, not `validate`/`get_preds` (fastai holds `learn.lock` in those)"
     lock = getattr(learn, 'lock', None)
@@ -43,10 +50,14 @@ def _in_fit(learn)->bool:
 class ModelToHalf(Callback):
     "Put the model in `dtype` (BatchNorm too) for the fit, and back to its exact fp32 values after"
     order = -50  # before TrainEvalCallback (-10): the model is half when training starts
-    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','run_dtype')
-    _warned_cpu_conv = False
-    def __init__(self, dtype:torch.dtype|str=torch.float16): # torch.float16 or torch.bfloat16 (or 'fp16', 'bf16')
-        self.dtype = half_dtype(dtype)
+    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','run_dtype')
+    _warned = set()  # slow-plan warnings given in this process: each once
+    def __init__(self,
+        dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto' (`plan_precision`)
+        fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
+    ):
+        self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
+        self.fp32_math, self.plan, self._announced = _fp32_math_arg(fp32_math), None, False
 
     def _check(self):
         _check_setup(self.learn)
@@ -57,12 +68,11 @@ class ModelToHalf(Callback):
     def before_fit(self):
         if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the model is already half
         if not _checked(self): return
-        model = self.learn.model
+        model, fit = self.learn.model, _in_fit(self.learn)
         ts = float_tensors(model)
-        devs = {t.device for t in ts}
-        # fp16 inference on CPU is ~18x slower than fp32 and no more exact: outside a fit it stays fp32
-        cpu_infer = self.dtype == torch.float16 and devs <= {torch.device('cpu')} and not _in_fit(self.learn)
-        self.run_dtype = torch.float32 if cpu_infer else self.dtype
+        plan = plan_precision(detect(_run_device(self.learn, ts)), self.dtype, self.fp32_math)
+        # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
+        self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
         self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype}
         self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
@@ -70,14 +80,16 @@ class ModelToHalf(Callback):
             t.grad = None
             t.data = t.data.to(self.run_dtype)
         self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
-        if not cpu_infer: self._warn_cpu_conv(model, devs)
+        self._patched = patch_fp32_math(model) if plan.fp32_math and self.run_dtype != torch.float32 else []
+        if fit: self.plan = plan; self._tell(plan)
 
-    def _warn_cpu_conv(self, model, devs):
-        if (self.dtype != torch.float16 or ModelToHalf._warned_cpu_conv or devs != {torch.device('cpu')} or
-            not any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())): return
-        ModelToHalf._warned_cpu_conv = True
-        warnings.warn("fp16 convolutions train very slowly on CPU in PyTorch (the weight-gradient kernel is ~100x "
-                      "slower than fp32). On CPU use bf16: `learn.to_half(torch.bfloat16)`.", stacklevel=2)
+    def _tell(self, plan):
+        "Warn once when the plan is slow; say once per Learner what 'auto' chose, or that fp32 math stands in"
+        if plan.warning and plan.warning not in ModelToHalf._warned:
+            ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
+        if self._announced or not (plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto')): return
+        self._announced = True
+        if getattr(self.learn, 'logger', print) is not noop: print(plan.describe())  # silent under `no_logging()`
 
     def fp32_value(self, t:torch.Tensor)->torch.Tensor:
         "The true fp32 value of model tensor `t` during the fit (its master, its kept value, or its trained half value)"
@@ -112,7 +124,8 @@ class ModelToHalf(Callback):
         if self._depth <= 0: self._fp16_cleanup()
 
     def _fp16_cleanup(self):
-        "Every converted tensor back to fp32, holding its true value; run state dropped"
+        "Every converted tensor back to fp32, holding its true value; layers' own methods back; run state dropped"
+        unpatch_fp32_math(getattr(self, '_patched', []))
         stash = getattr(self, '_stash', None)
         if stash is not None:
             with torch.no_grad():
@@ -167,11 +180,12 @@ def _check_setup(learn):
 class MixedPrecision(Callback):
     "fp32 master weights, fp32 loss and static or dynamic loss scaling for a model made half by `ModelToHalf`"
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
+    _off = False  # set by each `before_fit`: True when the run is plain fp32 and we stand aside
     flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
-    _stateattrs = ('scales','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
     def __init__(self,
-        init_scale:float=2.**16, # starting loss scale (the fixed scale when not `dynamic`)
-        dynamic:bool=True, # back off on overflow, grow after `growth_interval` clean steps
+        init_scale:float|None=None, # starting loss scale (the fixed scale when not `dynamic`); None: 2**16 for fp16, 1 for bf16
+        dynamic:bool|None=None, # back off on overflow, grow after `growth_interval` clean steps; None: for fp16, not bf16
         growth_factor:float=2., # scale multiplier after `growth_interval` clean steps
         backoff_factor:float=.5, # scale multiplier on overflow
         growth_interval:int=2000, # clean steps in a row before growing
@@ -185,16 +199,27 @@ class MixedPrecision(Callback):
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
         keep_master_grads:bool|None=None, # keep the masters' fp32 grads between steps (default: on CPU, not on CUDA)
     ):
-        self.scaler = LossScaler(init_scale, dynamic, growth_factor, backoff_factor, growth_interval, hysteresis,
-                                 min_scale, max_scale, max_consecutive_skips)
+        self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                               growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+                               max_consecutive_skips=max_consecutive_skips)
+        self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         if clip is not None and clip <= 0: raise ValueError(f"clip is a max gradient norm and must be > 0, got {clip}.")
         store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads')
         self.skipped,self.scales = 0,L()
 
+    def _make_scaler(self, dtype)->LossScaler:
+        "A `LossScaler` with the settings given, and `dtype`'s defaults for those left to None"
+        kw, bf = dict(self._scaler_kw), dtype != torch.float16  # bf16 has fp32's range: no scaling needed
+        if kw['init_scale'] is None: kw['init_scale'] = 1. if bf else 2.**16
+        if kw['dynamic'] is None: kw['dynamic'] = not bf
+        return LossScaler(**kw)
+
     @property
     def loss_scale(self)->float: return self.scaler.scale
-    def state_dict(self)->dict: return {'scaler': self.scaler.state_dict()}
-    def load_state_dict(self, sd:dict): self.scaler.load_state_dict(sd['scaler'] if 'scaler' in sd else sd)
+    def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype)}
+    def load_state_dict(self, sd:dict):
+        self.scaler.load_state_dict(sd['scaler'] if 'scaler' in sd else sd)
+        self._scaler_dtype = {str(d): d for d in (torch.float16, torch.bfloat16)}.get(sd.get('dtype'), self._scaler_dtype)
     @property
     def active(self)->bool: return bool(getattr(self, '_ready', False))
 
@@ -207,10 +232,15 @@ class MixedPrecision(Callback):
         if getattr(self, '_depth', 0): self._depth += 1; return
         if not _checked(self): return
         self._mth, self._ready, self._depth = _find_cb(self.learn, ModelToHalf), False, 1
+        d = getattr(self._mth, 'run_dtype', torch.float32)  # none: ModelToHalf raises its pending error first
+        self._off = d == torch.float32  # a plain fp32 run: `to_half('auto')` where fp32 is fastest, fp16 inference on CPU
+        by_dtype = self._scaler_kw['init_scale'] is None or self._scaler_kw['dynamic'] is None
+        if not self._off and _in_fit(self.learn) and by_dtype and d != self._scaler_dtype:
+            self.scaler, self._scaler_dtype = self._make_scaler(d), d  # the dtype changed ('auto' on another device)
 
     def before_train(self):
         _raise_pending(self)
-        if not self._ready: self._setup()
+        if not self._off and not self._ready: self._setup()
 
     def _setup(self):
         "Masters for the trainable params, swapped into the optimizer with their state"
@@ -236,14 +266,16 @@ class MixedPrecision(Callback):
 
     def before_batch(self):
         _raise_pending(self)
+        if self._off: return
         self.learn.xb = cast_floats(self.xb, self._mth.run_dtype)
         if not self.loss_fp32: self.learn.yb = cast_floats(self.yb, self._mth.run_dtype)
     def after_pred(self):
-        if self.loss_fp32: self.learn.pred = cast_floats(self.pred, torch.float32)
+        if self.loss_fp32 and not self._off: self.learn.pred = cast_floats(self.pred, torch.float32)
     def after_loss(self):
-        if isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
+        if not self._off and isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
 
     def before_backward(self):
+        if self._off: return
         bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
         self._loss_bad = bad if self._fresh else self._loss_bad | bad  # over all the micro-batches of a step
         self.scales.append(self.loss_scale)
@@ -262,9 +294,10 @@ class MixedPrecision(Callback):
         for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
 
     def after_cancel_batch(self):  # a micro-batch that `GradientAccumulation` (or any callback) kept from stepping
-        if self.training and getattr(self, '_ready', False): self._accumulate()
+        if self.training and getattr(self, '_ready', False) and not self._off: self._accumulate()
 
     def before_step(self):
+        if self._off: return
         self._stepped = False
         self._accumulate()
         grads = self._master_grads()
@@ -291,6 +324,7 @@ class MixedPrecision(Callback):
         if self.loss_scale != old: self._inv_scale.fill_(1./self.loss_scale)
 
     def after_step(self):
+        if self._off: return
         self._fresh = True  # the next batch starts a new step's grads
         if not self.master_weights: return  # the optimizer stepped (and zero_grad zeroes) the model itself
         if self._stepped:

@@ -18,59 +18,13 @@ from fastai.callback.schedule import *  # fit_one_cycle
 import fastai.callback.fp16  # patches Learner.to_fp16 (for the fastai_native recipe)
 from .callbacks import ModelToHalf, MixedPrecision, _find_cb
 from .scaler import LossScaleError
+from .hardware import _fp32_math_arg
 import fastai_fp16.learner  # patches Learner.to_half
 
 # %% auto #0
-__all__ = ['archs', 'RECIPES', 'HalfConvFn', 'half_conv_forward', 'CPUHalfConv', 'soft_cap', 'capped_loss', 'small_cnn', 'tf_cnn',
-           'recipe', 'fp32', 'fp16_pure', 'fp16_bn32', 'fp16_loss32', 'fp16_static_nomaster', 'fp16_master',
-           'bf16_master', 'fastai_native', 'nvidia_static128', 'nvidia_tf_cnn', 'run_recipe', 'compare', 'plot_losses',
-           'plot_loss_scale']
-
-# %% ../nbs/11_experiments.ipynb #4b63775e
-class HalfConvFn(torch.autograd.Function):
-    "A convolution with half inputs and outputs computed in fp32, gradients rounded back to half"
-    @staticmethod
-    def forward(ctx, x, w, b, conv):
-        ctx.save_for_backward(x, w, b); ctx.conv = conv
-        return conv(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-    @staticmethod
-    def backward(ctx, g):
-        x, w, b = ctx.saved_tensors
-        need = ctx.needs_input_grad[:3]
-        with torch.enable_grad():
-            ins = [None if t is None else t.detach().float().requires_grad_(n) for t,n in zip((x,w,b), need)]
-            out = ctx.conv(*ins)
-        req = [t for t in ins if t is not None and t.requires_grad]
-        gs = iter(torch.autograd.grad(out, req, g.float()) if req else [])
-        return tuple(next(gs).to(t.dtype) if t is not None and n else None for t,n in zip((x,w,b), need)) + (None,)
-
-_convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-def half_conv_forward(m:nn.Module, x, weight, bias):
-    "`m._conv_forward` through `HalfConvFn` when input and weight are fp16 (else the module's own)"
-    conv = partial(type(m)._conv_forward, m)
-    if x.dtype == torch.float16 and weight.dtype == torch.float16: return HalfConvFn.apply(x, weight, bias, conv)
-    return conv(x, weight, bias)
-
-class CPUHalfConv(Callback):
-    "During a fit, run the fp16 convolutions of a half model on CPU with fp32 math (`HalfConvFn`)"
-    order = ModelToHalf.order + 2  # once the model is half (and its BatchNorm fp32 again)
-    _stateattrs = ('_patched','_depth')
-    def __init__(self): self.used = False
-    def before_fit(self):
-        self._depth = getattr(self, '_depth', 0) + 1
-        if self._depth > 1: return
-        self._patched = [m for m in self.learn.model.modules() if isinstance(m, _convs)
-                         and m.weight.dtype == torch.float16 and m.weight.device.type == 'cpu']
-        for m in self._patched: m._conv_forward = partial(half_conv_forward, m)
-        self.used = bool(self._patched)
-    def after_fit(self):
-        self._depth = getattr(self, '_depth', 1) - 1
-        if self._depth <= 0: self._fp16_cleanup()
-    def _fp16_cleanup(self):
-        "Unpatch the convs (also run by `Learner.fit`'s guard when a fit raises)"
-        for m in getattr(self, '_patched', []): m.__dict__.pop('_conv_forward', None)
-        for a in self._stateattrs: self.__dict__.pop(a, None)
+__all__ = ['archs', 'RECIPES', 'soft_cap', 'capped_loss', 'small_cnn', 'tf_cnn', 'recipe', 'fp32', 'fp16_pure', 'fp16_bn32',
+           'fp16_loss32', 'fp16_static_nomaster', 'fp16_master', 'bf16_master', 'fastai_native', 'nvidia_static128',
+           'nvidia_tf_cnn', 'run_recipe', 'compare', 'plot_losses', 'plot_loss_scale']
 
 # %% ../nbs/11_experiments.ipynb #455ebef4
 def soft_cap(x:torch.Tensor, # loss (or any tensor)
@@ -177,7 +131,11 @@ class _NativeSpy(Callback):
         if not self.training or self.fmp is None or getattr(self.learn, 'scaler', None) is None: return
         self.scales.append(self.learn.scaler.get_scale()); self.skipped += int(bool(getattr(self.fmp, 'skipped', False)))
 
-def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed:int=42, cpu_conv:bool=True, show:bool=False)->tuple:
+def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed:int=42,
+               fp32_math='auto', # `to_half`'s: 'auto' (fp32 math where the dtype is slow here), True or False
+               show:bool=False, # fastai's table of results per epoch
+               bar:bool=True, # with `show`, its progress bars too
+              )->tuple:
     "Train `model` (changed in place) under recipe `name`: (results row, learner, losses, loss scales)"
     if name not in RECIPES: raise ValueError(f"Unknown recipe {name!r}: use any of {', '.join(RECIPES)}.")
     set_seed(seed, reproducible=True)
@@ -186,16 +144,14 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     learn.fit_method = 'fit_one_cycle'
     RECIPES[name](learn)
     mth = _find_cb(learn, ModelToHalf)
-    chc = None
-    if cpu_conv and mth is not None and mth.dtype == torch.float16 and _dev(dls).type == 'cpu': learn.add_cb(chc := CPUHalfConv())
+    if mth is not None: mth.fp32_math, mth._announced = _fp32_math_arg(fp32_math), True  # the table says what ran
     spy = _NativeSpy() if name == 'fastai_native' else None
     if spy: learn.add_cb(spy)
     cuda = _dev(dls).type == 'cuda'
     if cuda: torch.cuda.reset_peak_memory_stats()
     err, t = '', time.perf_counter()
     with warnings.catch_warnings():
-        if chc is not None: warnings.filterwarnings('ignore', message='fp16 convolutions train very slowly')
-        ctx = (learn.no_bar(), learn.no_logging()) if not show else ()
+        ctx = (learn.no_bar(), learn.no_logging()) if not show else () if bar else (learn.no_bar(),)
         try:
             for c in ctx: c.__enter__()
             getattr(learn, learn.fit_method)(epochs)
@@ -213,15 +169,16 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
                skipped=mp.skipped if mp else spy.skipped if spy else 0,
                loss_scale=mp.loss_scale if mp else scales[-1] if scales else np.nan, diverged=diverged,
                peak_mem_mb=torch.cuda.max_memory_allocated()/2**20 if cuda else np.nan,
-               cpu_half_conv=bool(chc and chc.used), error=err)
+               kernels=mth.plan.kernels if mth and mth.plan else 'autocast fp16' if spy else 'fp32', error=err)
     return row, learn, losses, scales
 
 def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
             dls_fn, # called as `dls_fn(bs=bs, **dls_kwargs)` to get the `DataLoaders`
             arch='small_cnn', # a key of `archs`, or a function `(n_out, size) -> model`
             epochs:int=1, lr:float=1e-3, bs:int=64, seed:int=42,
-            cpu_conv:bool=True, # CPU: run fp16 convs through `CPUHalfConv`
-            show:bool=False, # show fastai's progress bars and tables
+            fp32_math='auto', # `to_half`'s `fp32_math` for every half recipe
+            show:bool=False, # show fastai's tables of results
+            bar:bool=True, # with `show`, its progress bars too
             **dls_kwargs # more `dls_fn` kwargs (`size`, `device`...)
            )->pd.DataFrame: # one row per recipe; `.attrs` holds the loss and loss-scale curves
     "Run each recipe from the same initial weights and seed, and tabulate the results"
@@ -240,7 +197,7 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     for i,n in enumerate(names):
         if show: print(f"[{i+1}/{len(names)}] {n}: {RECIPES[n].__doc__}", flush=True)
         model = arch(dls.c, size); model.load_state_dict(init.state_dict())
-        row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, cpu_conv, show)
+        row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, fp32_math, show, bar)
         rows.append(row)
     res = pd.DataFrame(rows).set_index('recipe')
     res.attrs.update(losses=losses, scales=scales, bs=bs, epochs=epochs)

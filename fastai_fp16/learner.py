@@ -36,18 +36,19 @@ _fp16_cbs = (ToChannelsLast, ModelToHalf, BatchNormToFloat, MixedPrecision)
 @patch
 @delegates(MixedPrecision.__init__)
 def to_half(self:Learner,
-    dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 (or 'fp16', 'bf16')
+    dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto': what is fast here
     bn_fp32:bool=True, # keep BatchNorm layers in fp32
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
     channels_last:bool=False, # conv nets: model and images in channels_last memory format (`ToChannelsLast`)
+    fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math; 'auto': where `dtype` is slow here (CPU)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
     "Train in half precision with fp32 masters, fp32 BatchNorm and loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
-    dtype = half_dtype(dtype)
+    dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
     if dtype == torch.bfloat16: kwargs = {'init_scale': 1., 'dynamic': False, **kwargs}
-    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype)]
+    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype, fp32_math)]
     cbs += ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [MixedPrecision(**kwargs)]
     return self.add_cbs(cbs)
 

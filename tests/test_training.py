@@ -118,13 +118,6 @@ def test_bf16_conv_net_trains():
     assert learn.mixed_precision.skipped == 0 and fp32_everywhere(learn)
     assert any(not torch.equal(a, b) for a, b in zip(w, params(learn)))
 
-def test_fp16_conv_on_cpu_warns():
-    ModelToHalf._warned_cpu_conv = False
-    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.LazyLinear(2))
-    model(torch.rand(1, 3, 6, 6))
-    learn = Learner(dls_from(torch.rand(24, 3, 6, 6), torch.randint(0, 2, (24,)), bs=8, n_valid=8), model, loss_func=CrossEntropyLossFlat()).to_half()
-    with pytest.warns(UserWarning, match='bf16'): learn.fit(1, 1e-3)
-
 def test_recorded_loss_is_unscaled():
     class LossSpy(Callback):
         order = 100

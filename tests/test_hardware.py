@@ -1,0 +1,102 @@
+"Hardware-aware precision: what `to_half` runs for each class of hardware (capabilities injected), and that it trains"
+import warnings, pytest, torch, torch.nn as nn
+from fastai.learner import Learner
+from fastai.callback.core import Callback
+from fastai.losses import CrossEntropyLossFlat
+from fastai_fp16.all import *
+from fastai_fp16.core import synth_dls, tiny_model
+from helpers import dls_from, params, fp32_everywhere
+
+def conv_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+
+def conv_dls(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dls_from(torch.rand(40, 3, 8, 8, generator=g), torch.randint(0, 2, (40,), generator=g), bs=8, n_valid=8)
+
+class Seen(Callback):
+    "The dtypes of the conv weight and input, and whether the conv layer was patched, at each training batch"
+    order = 20
+    def before_fit(self): self.got = set()
+    def after_pred(self):
+        m = self.model[0]
+        self.got.add((m.weight.dtype, self.xb[0].dtype, '_conv_forward' in m.__dict__, 'forward' in self.model[5].__dict__))
+
+def fit(learn, n=1, lr=1e-2, **kw):
+    with learn.no_bar(), learn.no_logging(): learn.fit(n, lr, **kw)
+    return learn
+
+@pytest.mark.parametrize('cls,dtype,expected', [
+    ('avx2', 'bf16', (torch.bfloat16, True)), ('avx2', 'fp16', (torch.float16, True)),
+    ('avx512_bf16', 'bf16', (torch.bfloat16, False)), ('amx', 'bf16', (torch.bfloat16, False)), ('amx', 'fp16', (torch.float16, True))])
+def test_fit_runs_the_planned_kernels(cls, dtype, expected):
+    "In a fit the model is in the planned dtype, and its conv and linear layers compute in fp32 exactly when planned"
+    learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half(dtype)
+    with assume_capabilities(cpu_caps(cls)): fit(learn)
+    dt, f32 = expected
+    assert s.got == {(dt, dt, f32, f32)}, s.got
+    assert learn.model_to_half.plan == plan_precision(cpu_caps(cls), dtype)
+    assert fp32_everywhere(learn) and not any(k in m.__dict__ for m in learn.model.modules() for k in ('forward', '_conv_forward'))
+
+def test_auto_without_fast_kernels_is_plain_fp32_training():
+    "On an AVX2-only CPU `to_half('auto')` trains exactly as plain fp32 fastai does: same weights, bit for bit"
+    ref = fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()), 2)
+    learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half('auto')
+    with assume_capabilities(cpu_caps('avx2')): fit(learn, 2)
+    assert s.got == {(torch.float32, torch.float32, False, False)}
+    assert all(torch.equal(a, b) for a, b in zip(params(learn), params(ref)))
+    assert learn.model_to_half.plan.kernels == 'fp32' and learn.mixed_precision.skipped == 0
+
+def test_auto_trains_here_and_says_so_once(capsys):
+    "On this machine, whatever it is, 'auto' trains a small conv net and says what it chose once per Learner"
+    learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half('auto')
+    w = params(learn)
+    for _ in range(2):
+        with learn.no_bar(): learn.fit(1, 1e-2)
+    plan = plan_precision(detect('cpu'), 'auto')
+    out = capsys.readouterr().out
+    assert out.count("to_half('auto') on cpu:") == 1 and plan.describe() in out, out
+    assert learn.model_to_half.plan == plan and fp32_everywhere(learn)
+    assert any(not torch.equal(a, b) for a, b in zip(w, params(learn)))
+
+def test_native_kernels_on_a_slow_cpu_warn_once_with_the_fix():
+    ModelToHalf._warned.clear()
+    with assume_capabilities(cpu_caps('avx2')):
+        for _ in range(2):  # two Learners, one warning
+            learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half('bf16', fp32_math=False)
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter('always'); fit(learn)
+            slow = [w for w in ws if 'slow native kernels' in str(w.message)]
+            if _ == 0: assert len(slow) == 1 and "to_half('auto')" in str(slow[0].message) and '8-30x' in str(slow[0].message)
+            else: assert not slow
+        learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half('bf16')  # fp32 math: nothing to warn of
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter('always'); fit(learn)
+        assert not [w for w in ws if 'slow' in str(w.message)]
+
+def test_inference_without_fast_kernels_runs_fp32():
+    "Outside a fit (validate, get_preds) a dtype without fast kernels here runs fp32; with them, half"
+    learn = fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half('bf16'))
+    class Dt(Callback):
+        order = 20
+        def before_fit(self): self.got = set()
+        def after_pred(self): self.got.add(self.model[0].weight.dtype)
+    for cls, dt in (('avx2', torch.float32), ('avx512_bf16', torch.bfloat16)):
+        with assume_capabilities(cpu_caps(cls)): learn.validate(cbs=(d := Dt()))
+        assert d.got == {dt}, (cls, d.got)
+
+def test_auto_scale_follows_the_dtype():
+    "'auto' loss scaling: static 1 for bf16, dynamic from 2**16 for fp16 (on a GPU of compute capability 7.x)"
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('auto')
+    with assume_capabilities(cpu_caps('avx512_bf16')): fit(learn)
+    mp = learn.mixed_precision
+    assert (mp.loss_scale, mp.scaler.dynamic, mp.state_dict()['dtype']) == (1., False, 'torch.bfloat16')
+    learn2 = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16')
+    assert (learn2.mixed_precision.loss_scale, learn2.mixed_precision.scaler.dynamic) == (2.**16, True)
+    mp2 = MixedPrecision(); mp2.load_state_dict(mp.state_dict())  # a checkpoint says which dtype its scale was for
+    assert mp2._scaler_dtype == torch.bfloat16 and mp2.loss_scale == 1.
+
+def test_bad_fp32_math_is_refused():
+    with pytest.raises(ValueError, match="fp32_math must be 'auto', True or False"):
+        Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16', fp32_math='yes')
