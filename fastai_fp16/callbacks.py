@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 import torch, torch.nn as nn
 import torch.distributed as dist
-from fastcore.basics import store_attr, noop
+from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
 from fastai.optimizer import Optimizer
@@ -89,7 +89,8 @@ class ModelToHalf(Callback):
             ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
         if self._announced or not (plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto')): return
         self._announced = True
-        if getattr(self.learn, 'logger', print) is not noop: print(plan.describe())  # silent under `no_logging()`
+        # silent under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics')
+        if getattr(getattr(self.learn, 'logger', print), '__name__', '') != 'noop': print(plan.describe())
 
     def fp32_value(self, t:torch.Tensor)->torch.Tensor:
         "The true fp32 value of model tensor `t` during the fit (its master, its kept value, or its trained half value)"

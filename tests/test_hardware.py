@@ -59,6 +59,8 @@ def test_auto_trains_here_and_says_so_once(capsys):
     assert out.count("to_half('auto') on cpu:") == 1 and plan.describe() in out, out
     assert learn.model_to_half.plan == plan and fp32_everywhere(learn)
     assert any(not torch.equal(a, b) for a, b in zip(w, params(learn)))
+    fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half('auto'))  # under `no_logging()`: silent
+    assert capsys.readouterr().out == ''
 
 def test_native_kernels_on_a_slow_cpu_warn_once_with_the_fix():
     ModelToHalf._warned.clear()

@@ -16,6 +16,7 @@ def test_nvidia_recipe_equals_learner():
     with torch.no_grad():
         for p in lin.parameters(): p.copy_(p.half().float())  # so both start from the same masters
     ref = nn.Linear(D_in, D_out).half(); ref.load_state_dict(lin.state_dict())
+    patch_fp32_math(ref)  # fp16 storage, fp32 math: what `to_half` runs on a CPU (fp16 has no fast CPU kernels)
     model_params, master_params = prep_param_lists(ref)
     opt = torch.optim.SGD(master_params, lr=lr)
     for _ in range(steps):
