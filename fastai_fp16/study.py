@@ -15,7 +15,7 @@ from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.optimizer import Adam, SGD
 from fastai.torch_core import set_seed
-from .experiments import RECIPES, CPUHalfConv, small_cnn, capped_loss
+from .experiments import RECIPES, small_cnn, capped_loss
 from .monitor import PrecisionMonitor
 from .scaler import LossScaleError
 import fastai_fp16.learner  # patches Learner.to_half
@@ -41,11 +41,6 @@ def digits_data(bs:int=64, # batch size
     x, y, v = x * scale, (y if target is None else target(y)), torch.arange(len(x)) % 5 == 4
     return DataLoaders.from_dsets(list(zip(x[~v], y[~v])), list(zip(x[v], y[v])), bs=bs, device='cpu', num_workers=0)
 
-def _gpu_numerics(learn):
-    "fp16 computed as on a GPU (half storage, fp32 accumulation), and fast, on a CPU"
-    learn.add_cb(CPUHalfConv())  # replaced by to_half's fp32_math
-    return learn
-
 class _Losses(Callback):
     "The loss of every training step (the Recorder's is smoothed)"
     order = 60
@@ -62,10 +57,10 @@ def train(model:nn.Module, dls:DataLoaders,
     set_seed(seed, reproducible=True)
     for dl in dls.loaders: dl.rng = random.Random(seed)
     learn = Learner(dls, model, loss_func=loss, opt_func=opt, lr=lr)
-    if setup is not None: _gpu_numerics(RECIPES[setup](learn) if isinstance(setup, str) else learn.to_half(**setup))
+    # on a CPU, fp16 runs as on a GPU (half storage, fp32 accumulation): `to_half`'s default `fp32_math='auto'`
+    if setup is not None: RECIPES[setup](learn) if isinstance(setup, str) else learn.to_half(**setup)
     losses, err = _Losses(), ''
-    with learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='fp16 convolutions train very slowly')  # not with `_gpu_numerics`
+    with learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging():
         try: learn.fit(epochs)
         except LossScaleError: err = 'LossScaleError'
     return learn, losses.raw, err
