@@ -3,6 +3,7 @@ from .core import *
 from .scaler import *
 from .hardware import *
 from .fp32math import *
+from .doctor import *
 from .callbacks import *
 from .learner import *
 from .data import *

@@ -19,7 +19,7 @@ from .data import digits_dls, imagenette_dls
 from .experiments import RECIPES, archs, compare, plot_losses, plot_loss_scale
 from .bench import bench
 from .doctor import doctor
-from .study import study_cmd
+from .study_run import study_cmd
 import fastai_fp16.learner  # patches Learner.to_half
 
 # %% auto #0

@@ -11,10 +11,10 @@ from .core import convert_network
 from .fp32math import patch_fp32_math
 
 # %% auto #0
-__all__ = ['variants', 'layer_bench', 'doctor']
+__all__ = ['layer_variants', 'layer_bench', 'doctor']
 
 # %% ../nbs/06_doctor.ipynb #88ca72eb
-variants = ('fp32', 'bf16', 'fp16', 'bf16 storage, fp32 math', 'fp16 storage, fp32 math')
+layer_variants = ('fp32', 'bf16', 'fp16', 'bf16 storage, fp32 math', 'fp16 storage, fp32 math')
 
 def _layer_step(conv:nn.Module, x:torch.Tensor, device):
     def step():
@@ -30,7 +30,7 @@ def layer_bench(channels:int=32, # input and output channels
                 channels_last:bool=False, # input and weight in channels_last memory format
                 reps:int=15, # timings per variant (at most), interleaved
                 budget:float=2., # seconds per variant (at most, after its first, untimed, run)
-                variants:tuple=variants, # the paths to time (see `variants`)
+                variants:tuple=layer_variants, # the paths to time (see `layer_variants`)
                )->dict: # variant -> median ms of forward + backward
     "Median ms of one 3x3 convolution's forward and backward in fp32, native half, and half with fp32 math"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')

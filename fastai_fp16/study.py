@@ -9,21 +9,19 @@ from functools import partial, lru_cache
 from pathlib import Path
 import numpy as np, pandas as pd
 import torch, torch.nn as nn, torch.nn.functional as F
-from fastcore.script import call_parse
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.optimizer import Adam, SGD
 from fastai.torch_core import set_seed
-from .experiments import RECIPES, small_cnn, capped_loss
+from .experiments import RECIPES, small_cnn
 from .monitor import PrecisionMonitor
 from .scaler import LossScaleError
 import fastai_fp16.learner  # patches Learner.to_half
 
 # %% auto #0
-__all__ = ['CLAIMS', 'digits_data', 'train', 'skipped', 'evaluate', 'plot_result', 'study_masters', 'loss_scale_sweep',
-           'study_scaling', 'study_static', 'study_bn', 'study_loss', 'study_batch', 'study_capping', 'plain_cnn',
-           'study_norm', 'run_study', 'write_study', 'study_cmd']
+__all__ = ['digits_data', 'train', 'skipped', 'evaluate', 'plot_result', 'study_masters', 'loss_scale_sweep', 'study_scaling',
+           'study_static', 'study_bn', 'study_loss']
 
 # %% ../nbs/14_study.ipynb #f6cff542
 @lru_cache(1)
@@ -268,163 +266,3 @@ def study_loss(epochs:int=3)->dict:
     return _result('loss', 'fp32 loss matters', measured, _verdict(trains and ops_fail, trains or ops_fail), dict(ops=ops, training=df),
                    [_plot({k: (list(ops.index), list(ops[k].clip(upper=10.))) for k in ops}, title='fp16 relative error (inf drawn at 10)',
                           xlabel='magnitude of logits or errors', ylabel='relative error', xscale='log', yscale='log')])
-
-# %% ../nbs/14_study.ipynb #efae2133
-def study_batch(bss:tuple=(16, 64, 256), steps:int=60)->dict:
-    "Claim 5: the first conv's gradients are the least stable, and larger batches smooth them"
-    set_seed(0); init = small_cnn(10, c=8, n_in=1)
-    conv1 = next(n for n,m in init.named_modules() if isinstance(m, nn.Conv2d))
-    rows, peaks = [], {}
-    for bs in bss:
-        dls, pm = digits_data(bs), PrecisionMonitor(every=1, recorder_cols=False)
-        # a scale that tries to grow every 10 steps sits at the overflow edge: its skips count the gradient spikes
-        train(copy.deepcopy(init), dls, dict(growth_interval=10), lr=3e-3, epochs=-(-steps // len(dls.train)), cbs=[pm])
-        df = pm.df[pm.df.step < steps]
-        pk = (df.max_abs / df.loss_scale).groupby(df.layer, sort=False).max()  # unscaled
-        ovs = [o for o in pm.overflows if o['step'] < steps]
-        rows.append(dict(bs=bs, conv1_peak=pk[conv1], conv1_rank=int((pk > pk[conv1]).sum()) + 1,
-                         conv1_vs_next=pk[conv1] / pk.drop(conv1).max(), skipped=len(ovs), conv1_overflows=sum(conv1 in o['layers'] for o in ovs)))
-        peaks[f'bs {bs}'] = pk.tolist()
-    df = pd.DataFrame(rows).set_index('bs')
-    top, smooth = df.conv1_rank.iloc[0] == 1, df.conv1_peak.is_monotonic_decreasing and df.skipped.is_monotonic_decreasing
-    measured = (', '.join(f"bs {b}: conv1 peak |grad| {p:.3g} (rank {r}, x{x:.2f} the next), {s} skips"
-                          for b,p,r,x,s in zip(df.index, df.conv1_peak, df.conv1_rank, df.conv1_vs_next, df.skipped)))
-    return _result('batch', 'larger batches steady conv1', measured, _verdict(top and smooth, top or smooth), dict(runs=df),
-                   [_plot(peaks, title=f'peak |grad| per layer, {steps} steps', xlabel='layer (model order)', ylabel='peak |grad|', yscale='log')])
-
-# %% ../nbs/14_study.ipynb #3781127b
-def _critic(p, t): return (p * t).mean()  # t = +1 (fake) or -1 (real): mean D(fake) - mean D(real)
-
-class _MaxOut(Callback):
-    "The largest |prediction| of each training batch"
-    def before_fit(self): self.maxes = []
-    def after_pred(self):
-        if self.training: self.maxes.append(self.learn.pred.detach().float().abs().max().item())
-
-def study_capping(epochs:int=10, lr:float=1e-2, cap:float=100.)->dict:
-    "Claim 6: a loss that can exceed fp16's range skips steps or diverges; `capped_loss` trains"
-    dls = digits_data(target=lambda y: torch.where(y < 5, -1., 1.)[:,None])
-    set_seed(0); init = small_cnn(1, bn=False, c=8, n_in=1)
-    rows, curves = [], {}
-    for lname, lf in (('uncapped', _critic), ('capped', capped_loss(_critic, cap))):
-        for name in ('fp32', 'fp16_master'):
-            mo = _MaxOut()
-            learn, raw, err = train(copy.deepcopy(init), dls, name, lr=lr, epochs=epochs, loss=lf, cbs=[mo])
-            learn.model.eval()
-            with torch.no_grad(): sep = np.mean([(learn.model(x) * t < 0).float().mean().item() for x,t in dls.valid])
-            curves[f'{lname}, {name}'] = [m if np.isfinite(m) else np.nan for m in mo.maxes]
-            rows.append(dict(loss=lname, recipe=name, max_output=max(mo.maxes), last_loss=raw[-1], skipped=skipped(learn),
-                             steps=len(raw), separates=sep, error=err))
-    df = pd.DataFrame(rows).set_index(['loss','recipe'])
-    u32, u16, c32, c16 = (df.loc[k] for k in [('uncapped','fp32'), ('uncapped','fp16_master'), ('capped','fp32'), ('capped','fp16_master')])
-    trouble = u32.max_output > 65504 and (u16.skipped > u16.steps/5 or bool(u16.error) or not np.isfinite(u16.last_loss))
-    trains = c16.skipped <= c16.steps/10 and np.isfinite(c16.last_loss) and c16.separates >= c32.separates - .05
-    measured = (f"uncapped: fp32 critic output reaches {u32.max_output:.3g}, fp16 skips {u16.skipped}/{u16.steps} steps"
-                + (f" ({u16.error})" if u16.error else '') + f"; capped at {cap:g}: fp16 skips {c16.skipped}/{c16.steps}, "
-                f"separates {c16.separates:.0%} (fp32 {c32.separates:.0%})")
-    return _result('capping', 'loss capping', measured, _verdict(trouble and trains, trouble), dict(runs=df),
-                   [_plot({**curves, 'fp16 max': ([0, len(mo.maxes)], [65504]*2)}, title='critic output (gaps: inf)',
-                          xlabel='step', ylabel='max |D(x)|', yscale='log')])
-
-# %% ../nbs/14_study.ipynb #01e7705e
-def plain_cnn(depth:int=12, # 3x3 conv layers (stride 1, 8 channels)
-              bn:bool=False, # BatchNorm after each conv
-              gain:float=1., # times Kaiming's init: without BatchNorm each layer scales activations by about `gain`
-              n_out:int=10)->nn.Module:
-    "A deep CNN without shortcuts; without norm layers its activations scale as `gain**depth`"
-    layers, ci = [], 1
-    for _ in range(depth):
-        conv = nn.Conv2d(ci, 8, 3, 1, 1, bias=not bn)
-        nn.init.kaiming_normal_(conv.weight, nonlinearity='relu')
-        with torch.no_grad(): conv.weight.mul_(gain)
-        if conv.bias is not None: nn.init.zeros_(conv.bias)
-        layers += [conv] + ([nn.BatchNorm2d(8)] if bn else []) + [nn.ReLU()]; ci = 8
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, n_out))
-
-def study_norm(gains:tuple=(.5, 1., 2.), depth:int=12, epochs:int=3, tol:float=.1)->dict:
-    "Claim 7: a deep net without normalization overflows or underflows in fp16; with norm layers it trains as in fp32"
-    dls, rows = digits_data(), []
-    for gain in gains:
-        for bn in (False, True):
-            set_seed(0); init = plain_cnn(depth, bn, gain)
-            for name in ('fp32', 'fp16_master'):
-                pm = PrecisionMonitor(every=5, recorder_cols=False)
-                learn, _, err = train(copy.deepcopy(init), dls, name, lr=3e-3, epochs=epochs, cbs=[pm])
-                rows.append(dict(gain=gain, norm=bn, recipe=name, valid_loss=evaluate(learn.model, dls.valid),
-                                 skipped=skipped(learn), zero_frac=pm.df.zero_frac.mean(), error=err))
-    df = pd.DataFrame(rows)
-    p = df.pivot_table(index=['gain','norm'], columns='recipe', values=['valid_loss','skipped','zero_frac'])
-    p['gap'] = p.valid_loss.fp16_master / p.valid_loss.fp32 - 1
-    no, yes = p.xs(False, level='norm'), p.xs(True, level='norm')
-    fine = (yes.skipped.fp16_master == 0).all() and (yes.gap.abs() <= tol).all()
-    trouble = (no.skipped.fp16_master > 0) | (no.zero_frac.fp16_master > yes.zero_frac.fp16_master + .05)
-    pct = lambda s: ', '.join(f'{v:+.0%}' for v in s)
-    measured = (f"no norm, gains {', '.join(f'{g:g}' for g in gains)}: fp16 skips {', '.join(str(int(s)) for s in no.skipped.fp16_master)}, "
-                f"zero grads {', '.join(f'{z:.0%}' for z in no.zero_frac.fp16_master)}, valid vs fp32 {pct(no.gap)}; "
-                f"BatchNorm: fp16 skips {int(yes.skipped.fp16_master.sum())}, valid vs fp32 {pct(yes.gap)}")
-    lines = {f"{'BN' if bn else 'no norm'}, {r}": (list(gains), list(df[(df.norm == bn) & (df.recipe == r)].valid_loss))
-             for bn in (False, True) for r in ('fp32','fp16_master')}
-    return _result('norm', 'normalization matters', measured, _verdict(fine and (trouble & (no.gap > tol)).any(), fine and trouble.any()),
-                   dict(runs=p), [_plot(lines, title=f'{depth}-layer plain CNN', xlabel='init gain per layer', ylabel='valid loss', xscale='log')])
-
-# %% ../nbs/14_study.ipynb #f9f83e8e
-CLAIMS = dict(masters=study_masters, scaling=study_scaling, bn=study_bn, loss=study_loss, batch=study_batch,
-              capping=study_capping, norm=study_norm, static=study_static)
-_sweep_claims = ('scaling', 'static')  # both read one `loss_scale_sweep`
-_quick = dict(masters=dict(lrs=(1e-2, 1e-4), epochs=1), sweep=dict(ws=(1e-5, 1., 1e4), epochs=1), bn=dict(scales=(1., 4095.), epochs=1),
-              loss=dict(epochs=1), batch=dict(bss=(16, 256), steps=40), capping=dict(epochs=6, lr=2e-2), norm=dict(gains=(.5,), depth=8, epochs=1))
-
-def run_study(claims:str|list|None=None, # claims to check, names of `CLAIMS` (default: all)
-              quick:bool=False, # the small versions: seconds instead of a minute
-              threads:int=1, # torch CPU threads (for these tiny nets more threads only contend)
-             )->pd.DataFrame: # the verdict table; `.attrs['results']` holds each claim's tables and plots
-    "Check each claim with its experiment: one row per claim, the figures measured and the verdict computed from them"
-    names = list(CLAIMS) if claims is None else claims.split(',') if isinstance(claims, str) else list(claims)
-    bad = [n for n in names if n not in CLAIMS]
-    if bad: raise ValueError(f"Unknown claim(s) {', '.join(bad)}: use any of {', '.join(CLAIMS)}.")
-    old, res, sweep = torch.get_num_threads(), {}, None
-    torch.set_num_threads(threads)
-    try:
-        for n in names:
-            t = time.perf_counter()
-            if n in _sweep_claims:
-                if sweep is None: sweep = loss_scale_sweep(**(_quick['sweep'] if quick else {}))
-                res[n] = CLAIMS[n](sweep)
-            else: res[n] = CLAIMS[n](**(_quick[n] if quick else {}))
-            res[n]['seconds'] = time.perf_counter() - t  # the sweep counts for the first of its claims
-    finally: torch.set_num_threads(old)
-    df = pd.DataFrame([{k: r[k] for k in ('name','claim','measured','verdict','seconds')} for r in res.values()]).set_index('name')
-    df.attrs['results'] = res
-    return df
-
-def _md(df:pd.DataFrame)->str:
-    head = [df.index.name or ''] + list(df.columns)
-    rows = [[str(i)] + [f'{v:.1f}' if isinstance(v, float) else str(v).replace('|', '\\|') for v in r] for i,r in zip(df.index, df.values)]
-    return '\n'.join('| ' + ' | '.join(r) + ' |' for r in [head, ['---']*len(head), *rows]) + '\n'
-
-def write_study(res:pd.DataFrame, # `run_study`'s verdict table
-                out:str|Path='fp16_study', note:str='')->Path:
-    "Write `study.md`, `study.csv`, and per claim its tables (`<claim>_<table>.csv`) and plots (`<claim>.png`)"
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    res.to_csv(out/'study.csv')
-    (out/'study.md').write_text(_md(res) + (f'\n{note}\n' if note else ''))
-    for n,r in res.attrs['results'].items():
-        for k,t in r['tables'].items(): t.to_csv(out/f'{n}_{k}.csv')
-        plot_result(r).savefig(out/f'{n}.png', dpi=100)
-    return out
-
-@call_parse
-def study_cmd(out:str='fp16_study', # folder for study.md, study.csv, and each claim's tables (csv) and plots (png)
-              claims:str=None, # comma-separated claims (default: all): masters,scaling,bn,loss,batch,capping,norm,static
-              quick:bool=False, # the small versions, in seconds
-              threads:int=1, # torch CPU threads
-             ):
-    "Check the fp16 training study's claims, one small experiment each; write the verdict table and plots"
-    t = time.perf_counter()
-    res = run_study(claims, quick, threads)
-    note = (f"{'Quick' if quick else 'Full'} run: {time.perf_counter() - t:.0f} s on CPU ({threads} thread(s)), torch "
-            f"{torch.__version__}; fp16 computed as on a GPU (half storage, fp32 accumulation).")
-    write_study(res, out, note)
-    with pd.option_context('display.width', 250, 'display.max_colwidth', 250): print(res[['verdict','measured']])
-    print(f"\n{note}\nWrote {out}/study.md, study.csv, and per claim its tables (csv) and plots (png).")
-    return res
