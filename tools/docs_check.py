@@ -4,7 +4,7 @@ Python traceback or an unrendered `show_doc`, or an internal link points to a mi
 function, class or patched Learner method has no entry with its signature and docments, or a page's description
 is cut short, or Chromium cannot render a page. Screenshots go to `_proc/screenshots/` (PNG).
 Chromium: Debian's `chromium` (`apt-get install chromium`), run with no network and a fresh profile."""
-import argparse, html, importlib, inspect, re, shutil, subprocess, sys, tempfile
+import argparse, html, importlib, inspect, json, re, shutil, subprocess, sys, tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import urlsplit, unquote
@@ -28,7 +28,7 @@ class Page(HTMLParser):
         if 'id' in a: self.ids.add(a['id'])
         if tag == 'a' and a.get('href'): self.links.append(a['href'])
         if tag == 'img' and a.get('src'): self.links.append(a['src'])  # a plot is a file next to the page
-        if re.search(r'\b(traceback|output error|stderr-error)\b', a.get('class') or ''): self.errors += 1
+        if re.search(r'\b(traceback|output error)\b', a.get('class') or ''): self.errors += 1
         if tag in ('script', 'style'): self._skip += 1
     def handle_endtag(self, tag):
         if tag in ('script', 'style'): self._skip -= 1
@@ -68,7 +68,6 @@ def check_pages(docs_dir:Path, pages:dict)->list:
 
 def _title_md(nb:Path)->str:
     "The source of a notebook's first markdown cell (its title and description)"
-    import json
     c = next((c for c in json.loads(nb.read_text())['cells'] if c['cell_type'] == 'markdown'), None)
     return ''.join(c['source']) if c else ''
 
