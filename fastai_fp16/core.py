@@ -114,7 +114,7 @@ def _views(flat:Tensor, like:list)->list:
 def make_flat_master(params:list, # model params the master stands for
                 values:list|None=None, # their exact fp32 values, if known (default: upcast `params`)
                )->nn.Parameter: # one fp32 parameter with a preallocated grad and cached views
-    "One flat fp32 master for `params`, with views of its data and grad cached as `_views` and `_grad_views`"
+    "One flat fp32 master for `params`, with views of its data and grad cached on it (`flat._views`, `flat._grad_views`)"
     values = [p.detach() for p in params] if values is None else values
     flat = nn.Parameter(torch.cat([flat_like(v, p) for v,p in zip(values, params)]) if values else
                         torch.zeros(0, device=params[0].device if params else None))

@@ -1,10 +1,12 @@
 """Write README.md from nbs/index.ipynb: markdown cells as they are, code cells with their executed text output.
 (nbdev_readme needs quarto, which cannot be installed offline; this renders the same notebook with execnb.)
+Streams are shown as a terminal shows them (tools/term.py): a fit prints fastai's results table, not every bar frame.
 `python tools/readme.py --check` exits 1 if README.md is not what the notebook gives."""
 import sys, os
 from pathlib import Path
 from execnb.nbio import read_nb
 from execnb.shell import CaptureShell
+from term import terminal_text
 
 root = Path(__file__).resolve().parent.parent
 
@@ -18,7 +20,7 @@ def render(nb_path=root/'nbs'/'index.ipynb') -> str:
         if c.cell_type == 'markdown': out.append(src); continue
         if src.startswith('#| hide') or not src: continue
         out.append(f"```python\n{src}\n```")
-        texts = [''.join(o.get('data', {}).get('text/plain', '')) or ''.join(o.get('text', '')) for o in c.get('outputs', [])]
+        texts = [''.join(o.get('data', {}).get('text/plain', '')) or terminal_text(''.join(o.get('text', ''))) for o in c.get('outputs', [])]
         texts = [t.strip() for t in texts if t.strip() and not t.lstrip().startswith('[')]  # progress/log lines: not docs
         if texts: out.append("    " + "\n    ".join("\n".join(texts).splitlines()))
     return "\n\n".join(out) + "\n"
