@@ -15,6 +15,7 @@ from .core import *
 from .scaler import *
 from .hardware import detect, plan_precision, _fp32_math_arg
 from .fp32math import patch_fp32_math, unpatch_fp32_math
+from .guard import BufferGuard
 
 # %% auto #0
 __all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
@@ -183,7 +184,7 @@ class MixedPrecision(Callback):
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
     _off = False  # set by each `before_fit`: True when the run is plain fp32 and we stand aside
     flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
-    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard')
     def __init__(self,
         init_scale:float|None=None, # starting loss scale (the fixed scale when not `dynamic`); None: 2**16 for fp16, 1 for bf16
         dynamic:bool|None=None, # back off on overflow, grow after `growth_interval` clean steps; None: for fp16, not bf16
@@ -199,13 +200,15 @@ class MixedPrecision(Callback):
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
         keep_master_grads:bool|None=None, # keep the masters' fp32 grads between steps (default: on CPU, not on CUDA)
+        guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
     ):
         self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
                                max_consecutive_skips=max_consecutive_skips)
         self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         if clip is not None and clip <= 0: raise ValueError(f"clip is a max gradient norm and must be > 0, got {clip}.")
-        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads')
+        if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
+        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads,guard_buffers')
         self.skipped,self.scales = 0,L()
 
     def _make_scaler(self, dtype)->LossScaler:
@@ -264,10 +267,14 @@ class MixedPrecision(Callback):
         self._drop = not (dev.type != 'cuda' if keep is None else keep) and not self.flat_master  # flat: views are cached
         self._found_inf, self._inv_scale = torch.zeros(2, device=dev), torch.ones(1, device=dev)
         self._inv_scale.fill_(1./self.loss_scale)
+        g = self.guard_buffers
+        self._guard = BufferGuard(self.learn.model, learn=g != 'all') if g else None
 
     def before_batch(self):
         _raise_pending(self)
         if self._off: return
+        guard = getattr(self, '_guard', None)
+        if guard is not None and self.training and self._fresh: guard.snapshot()  # before a step's first forward
         self.learn.xb = cast_floats(self.xb, self._mth.run_dtype)
         if not self.loss_fp32: self.learn.yb = cast_floats(self.yb, self._mth.run_dtype)
     def after_pred(self):
@@ -281,6 +288,10 @@ class MixedPrecision(Callback):
         self._loss_bad = bad if self._fresh else self._loss_bad | bad  # over all the micro-batches of a step
         self.scales.append(self.loss_scale)
         if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
+
+    def after_backward(self):
+        guard = getattr(self, '_guard', None)
+        if guard is not None and guard.learning: guard.learn_mutated()  # the fit's first batch: which buffers moved
 
     def _master_grads(self)->list:
         return [m.grad for m in self._masters if m.grad is not None]
@@ -312,6 +323,7 @@ class MixedPrecision(Callback):
         old = self.loss_scale
         if overflow or bad_loss:
             self.skipped += 1
+            if self._guard is not None: self._guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
             finally: self._refresh_inv_scale(old)
             raise CancelStepException()

@@ -45,6 +45,42 @@ def test_nan_micro_batch_skips_its_step(flat):
     assert mp.skipped == 1 and mp.loss_scale == 256.  # skipped, and the scale not blamed for bad data
     assert all(torch.equal(a, b) for a, b in zip(w, params(learn)))
 
+class BNSnap(Callback):
+    "The model's buffers (BatchNorm's running stats and count) before training batch `first` and after batch `last`"
+    order = 100
+    def __init__(self, first, last): self.first, self.last = first, last
+    def before_batch(self):
+        if self.training and self.iter == self.first: self.before = [b.clone() for b in self.model.buffers()]
+    def after_batch(self):
+        if self.training and self.iter == self.last: self.after = [b.clone() for b in self.model.buffers()]
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_nan_value_leaves_batchnorm_stats_exact(flat):
+    "Issue 14: one NaN value skips the step and leaves running_mean/var and num_batches_tracked as before that batch"
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[17, 2] = float('nan')  # one value, in the third training batch
+    snap = BNSnap(2, 2)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256., flat_master=flat)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 1
+    assert len(snap.before) == 3 and all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
+    assert all(torch.isfinite(b).all() for b in learn.model.buffers() if b.is_floating_point())
+    assert torch.isfinite(torch.tensor(learn.validate()[0]))
+    assert learn.model[1].num_batches_tracked == 5  # the 5 clean batches of 6
+
+def test_nan_micro_batch_restores_the_whole_steps_stats():
+    "With GradientAccumulation, a skipped step puts back what all of its micro-batches' forwards changed"
+    from fastai.callback.training import GradientAccumulation
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[9, 0] = float('inf')  # in the second micro-batch of the first 4-batch step
+    snap = BNSnap(0, 3)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam,
+                    cbs=[GradientAccumulation(32), snap]).to_half(init_scale=256.)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
+    assert torch.isfinite(torch.tensor(learn.validate()[0]))
+
 def _usable(learn):
     assert fp32_everywhere(learn) and opt_on_model(learn)
     learn.fit(1, 1e-3)
