@@ -8,6 +8,7 @@ import functools
 from contextlib import contextmanager
 import torch
 from fastcore.basics import patch
+from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
 from torch import Tensor
@@ -116,3 +117,21 @@ def _load_with_scaler(load):
 
 if not getattr(Learner.save, '_fp16', False): Learner.save = _save_with_scaler(Learner.save)
 if not getattr(Learner.load, '_fp16', False): Learner.load = _load_with_scaler(Learner.load)
+
+# %% ../nbs/03_learner.ipynb #c03e0002
+def _ours(cb)->bool: return type(cb).__module__.split('.')[0] == 'fastai_fp16'
+
+def _export_plain(export):
+    @functools.wraps(export)
+    def _export(self, *args, **kwargs):
+        ours = [cb for cb in self.cbs if _ours(cb)]
+        if not ours: return export(self, *args, **kwargs)
+        cbs, attrs = self.cbs, {cb.name: cb for cb in ours if self.__dict__.get(cb.name) is cb}
+        self.cbs = L(cb for cb in cbs if not _ours(cb))  # what is pickled: the Learner without them...
+        for n in attrs: del self.__dict__[n]
+        try: return export(self, *args, **kwargs)
+        finally: self.cbs = cbs; self.__dict__.update(attrs)  # ...and the one you hold, as it was
+    _export._fp16 = True
+    return _export
+
+if not getattr(Learner.export, '_fp16', False): Learner.export = _export_plain(Learner.export)

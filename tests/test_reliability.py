@@ -241,3 +241,33 @@ def test_misuse_in_validate_does_not_leave_fastai_locked():
     assert not t.is_alive(), 'the second validate hung'
     assert len(errors) == 2 and all('more than once' in e for e in errors)
     assert fp32_everywhere(learn) and not learn.lock.locked()
+
+_load_plain = '''
+import sys, json
+sys.modules['fastai_fp16'] = None  # as on a machine without fastai_fp16: importing it fails
+from fastai.learner import load_learner
+learn = load_learner(sys.argv[1])
+print(json.dumps({'pred': learn.predict(3)[0].tolist(), 'cbs': [type(cb).__module__ for cb in learn.cbs],
+                  'dtypes': sorted({str(p.dtype) for p in learn.model.parameters()})}))
+'''
+
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_export_loads_without_fastai_fp16(dtype):
+    "Issue 14.2: `export` after `to_half` writes a plain fp32 Learner; the Learner you hold keeps its callbacks"
+    import subprocess, sys, json
+    from fastai.data.core import Datasets
+    from fastai.data.transforms import IndexSplitter
+    tmp = Path(tempfile.mkdtemp())
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    dsets = Datasets(list(range(64)), [[x.__getitem__], [y.__getitem__]], splits=IndexSplitter(range(48, 64))(range(64)))
+    learn = Learner(dsets.dataloaders(bs=16, shuffle=False), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half(dtype)
+    learn.fit(1, 1e-2)
+    cbs = list(learn.cbs)
+    learn.export('e.pkl')
+    assert list(learn.cbs) == cbs and type(learn.mixed_precision) is MixedPrecision and type(learn.model_to_half) is ModelToHalf
+    r = subprocess.run([sys.executable, '-c', _load_plain, str(tmp/'e.pkl')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got['dtypes'] == ['torch.float32'] and not any(m.startswith('fastai_fp16') for m in got['cbs'])
+    with torch.no_grad(): expected = learn.model.eval()(x[3:4])[0]
+    assert torch.allclose(torch.tensor(got['pred']), expected, atol=1e-6), (got['pred'], expected)
