@@ -58,7 +58,7 @@ class ModelToHalf(Callback):
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
     ):
         self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
-        self.fp32_math, self.plan, self._announced = _fp32_math_arg(fp32_math), None, False
+        self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
     def _check(self):
         _check_setup(self.learn)
@@ -71,6 +71,7 @@ class ModelToHalf(Callback):
         if not _checked(self): return
         model, fit = self.learn.model, _in_fit(self.learn)
         ts = float_tensors(model)
+        self._upcast([t for t in ts if t.dtype in (torch.float16, torch.bfloat16)])
         plan = plan_precision(detect(_run_device(self.learn, ts)), self.dtype, self.fp32_math)
         # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
         self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
@@ -83,6 +84,18 @@ class ModelToHalf(Callback):
         self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
         self._patched = patch_fp32_math(model) if plan.fp32_math and self.run_dtype != torch.float32 else []
         if fit: self.plan = plan; self._tell(plan)
+
+    def _upcast(self, half:list):
+        "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said once)"
+        if not half: return
+        for t in half:
+            t.data = t.data.float()  # every fp16/bf16 value is an fp32 value: nothing is lost
+            if t.grad is not None: t.grad = t.grad.float()
+        if getattr(self, '_upcast_said', False): return
+        self._upcast_said = True
+        warnings.warn(f"The model was already half ({len(half)} {sorted({str(t.dtype) for t in half})} tensors, e.g. from "
+                      "`model.half()`): ModelToHalf made it fp32 first (exactly), so that the masters and BatchNorm are fp32 "
+                      "and the model is fp32 after each fit. Give `to_half()` the fp32 model; it converts for the fit.", stacklevel=3)
 
     def _tell(self, plan):
         "Warn once when the plan is slow; say once per Learner what 'auto' chose, or that fp32 math stands in"

@@ -271,3 +271,36 @@ def test_export_loads_without_fastai_fp16(dtype):
     assert got['dtypes'] == ['torch.float32'] and not any(m.startswith('fastai_fp16') for m in got['cbs'])
     with torch.no_grad(): expected = learn.model.eval()(x[3:4])[0]
     assert torch.allclose(torch.tensor(got['pred']), expected, atol=1e-6), (got['pred'], expected)
+
+class _Dtypes(Callback):
+    "The dtypes of the model's weights and of BatchNorm's params and running stats at the training steps"
+    order = 20
+    def before_fit(self): self.seen = set()
+    def before_step(self):
+        bn = self.model[1]
+        self.seen.add((self.model[0].weight.dtype, bn.weight.dtype, bn.running_var.dtype))
+
+@pytest.mark.parametrize('made,dtype', [(torch.float16, 'fp16'), (torch.float16, 'bf16'), (torch.bfloat16, 'fp16')])
+def test_half_model_is_made_fp32_first(made, dtype):
+    "Issue 14.3: a model already half before `to_half` is converted to fp32 first (exactly, said once), never left half"
+    m = tiny_model().to(made)
+    w = [p.detach().float() for p in m.parameters()]  # the exact fp32 values of its half weights
+    spy = _Dtypes()
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), cbs=spy).to_half(dtype, init_scale=256.)
+    with pytest.warns(UserWarning, match='already half') as rec: learn.validate()
+    assert len([r for r in rec if 'already half' in str(r.message)]) == 1
+    assert fp32_everywhere(learn) and all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))
+    learn.fit(1, 1e-2)
+    half = half_dtype(dtype)
+    assert spy.seen == {(half, torch.float32, torch.float32)}  # BatchNorm fp32 during the fit
+    assert fp32_everywhere(learn) and opt_on_model(learn)
+
+def test_half_model_said_once():
+    import warnings
+    learn = Learner(synth_dls(), tiny_model().half(), loss_func=nn.MSELoss()).to_half(init_scale=256.)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(1, 1e-2)
+        learn.model.half()  # made half again between fits: converted again, not said again
+        learn.fit(1, 1e-2)
+    assert len([w for w in ws if 'already half' in str(w.message)]) == 1 and fp32_everywhere(learn)
