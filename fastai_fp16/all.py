@@ -3,6 +3,8 @@ from .core import *
 from .scaler import *
 from .hardware import *
 from .fp32math import *
+from .guard import *
+from .conflicts import *
 from .callbacks import *
 from .learner import *
 from .data import *

@@ -10,12 +10,12 @@ import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
-from fastai.optimizer import Optimizer
 from .core import *
 from .scaler import *
 from .hardware import detect, plan_precision, _fp32_math_arg
 from .fp32math import patch_fp32_math, unpatch_fp32_math
 from .guard import BufferGuard
+from .conflicts import check_fit_setup
 
 # %% auto #0
 __all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
@@ -175,21 +175,15 @@ class BatchNormToFloat(Callback):
 # %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):
     "Clear errors for the ways to misuse the callbacks, before anything is converted"
+    check_fit_setup(learn)  # fastai's own mixed precision, GradientClip, optimizers (`conflicts`)
     n = {c.__name__: len([cb for cb in learn.cbs if isinstance(cb, c)]) for c in (ModelToHalf, BatchNormToFloat, MixedPrecision)}
     if max(n.values()) > 1:
         raise ValueError(f"This Learner has its half-precision callbacks more than once ({n}): `to_half()` was called twice? "
                          "Call `learn.to_float()` to remove them, then `learn.to_half(...)` once.")
     if not n['MixedPrecision']:
-        raise ValueError("ModelToHalf makes the model half, but there is no MixedPrecision to cast the inputs and handle the "
-                         "gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half(bn_fp32=False, "
-                         "master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
-    if any(type(cb).__name__ == 'GradientClip' for cb in learn.cbs):
-        raise ValueError("fastai's GradientClip would clip the half model's scaled gradients, not the fp32 masters' that the "
-                         "optimizer steps. Remove it and pass the norm to MixedPrecision: `learn.to_half(clip=max_norm)`.")
-    opt = getattr(learn, 'opt', None)
-    if opt is not None and not isinstance(opt, Optimizer):
-        raise TypeError(f"MixedPrecision steps fp32 master weights through fastai's `Optimizer`, but `learn.opt` is a "
-                        f"{type(opt).__name__}. Use a fastai optimizer (`opt_func=Adam`, `SGD`, ...), not `OptimWrapper`.")
+        raise ValueError("fastai_fp16's ModelToHalf makes the model half, but there is no fastai_fp16 MixedPrecision to cast the "
+                         "inputs and handle the gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half("
+                         "bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
 
 # %% ../nbs/02_callbacks.ipynb #4e07e4b9
 class MixedPrecision(Callback):

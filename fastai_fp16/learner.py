@@ -15,6 +15,7 @@ from torch import Tensor
 from fastai.callback.core import Callback
 from .core import half_dtype
 from .callbacks import *
+from .conflicts import check_fastai_precision
 
 # %% auto #0
 __all__ = ['ToChannelsLast']
@@ -47,6 +48,7 @@ def to_half(self:Learner,
     "Train in half precision with fp32 masters, fp32 BatchNorm and loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
+    check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
     dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
     if dtype == torch.bfloat16: kwargs = {'init_scale': 1., 'dynamic': False, **kwargs}
     cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype, fp32_math)]

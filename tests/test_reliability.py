@@ -304,3 +304,35 @@ def test_half_model_said_once():
         learn.model.half()  # made half again between fits: converted again, not said again
         learn.fit(1, 1e-2)
     assert len([w for w in ws if 'already half' in str(w.message)]) == 1 and fp32_everywhere(learn)
+
+@pytest.mark.parametrize('method,fix', [('to_fp16', 'learn.to_fp32()'), ('to_bf16', 'learn.to_fp32()'),
+                                        ('to_non_native_fp16', 'learn.to_non_native_fp32()')])
+def test_two_precision_systems_are_refused(method, fix):
+    "Issue 14.4: fastai's own mixed precision and `to_half()`, in either order, fail at once and say how to keep one"
+    import re
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    cbs = list(learn.cbs)
+    with pytest.raises(ValueError, match=re.escape('learn.to_float()')): getattr(learn, method)()
+    assert list(learn.cbs) == cbs and type(learn.mixed_precision) is MixedPrecision  # nothing added
+    learn = getattr(Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()), method)()
+    with pytest.raises(ValueError, match=re.escape(fix)): learn.to_half()
+    assert not any(type(cb).__module__.startswith('fastai_fp16') for cb in learn.cbs)
+    getattr(learn, fix.split('.')[1][:-2])()  # as the message says
+    learn.to_half().fit(1, 1e-2)
+    assert fp32_everywhere(learn) and learn.mixed_precision.skipped < 3
+
+def test_fastai_mixed_precision_with_our_model_to_half_names_both():
+    from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(), FastaiMixedPrecision()])
+    with pytest.raises(ValueError) as e: learn.fit(1)
+    assert "fastai's own mixed precision (MixedPrecision from fastai.callback.fp16" in str(e.value)
+    assert 'fastai_fp16.callbacks.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
+    assert fp32_everywhere(learn)
+
+def test_gradient_clip_refusal_says_to_float_first():
+    "Issue 14.6: what the message says works: `to_float()`, then `to_half(clip=...)`"
+    from fastai.callback.training import GradientClip
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    with pytest.raises(ValueError, match=r'`learn.to_float\(\)`, then `learn.to_half\(clip=max_norm'): learn.fit(1, cbs=GradientClip())
+    learn.to_float().to_half(clip=1.).fit(1, 1e-2)
+    assert fp32_everywhere(learn)
