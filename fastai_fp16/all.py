@@ -11,3 +11,4 @@ from .data import *
 from .experiments import *
 from .monitor import *
 from .bench import *
+from .torch_optim import *

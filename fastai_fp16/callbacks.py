@@ -10,6 +10,7 @@ import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
+from fastai.optimizer import OptimWrapper
 from .core import *
 from .scaler import *
 from .hardware import detect, plan_precision, _fp32_math_arg
@@ -175,7 +176,8 @@ class BatchNormToFloat(Callback):
 # %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):
     "Clear errors for the ways to misuse the callbacks, before anything is converted"
-    check_fit_setup(learn)  # fastai's own mixed precision, GradientClip, optimizers (`conflicts`)
+    mp = _find_cb(learn, MixedPrecision)
+    check_fit_setup(learn, getattr(mp, 'flat_master', False))  # fastai's own mixed precision, GradientClip, optimizers
     n = {c.__name__: len([cb for cb in learn.cbs if isinstance(cb, c)]) for c in (ModelToHalf, BatchNormToFloat, MixedPrecision)}
     if max(n.values()) > 1:
         raise ValueError(f"This Learner has its half-precision callbacks more than once ({n}): `to_half()` was called twice? "
@@ -266,7 +268,8 @@ class MixedPrecision(Callback):
         else:
             sep = [(p,m) for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]  # fp32 params are their own
             self._zero, self._sep = [p for p,_ in sep], [m for _,m in sep]
-        self._aside, self._fresh = [], True  # (master, its grad) set aside from fastai's zero_grad between steps
+        self._aside, self._fresh = [], True  # (model param, master, its grad) set aside from fastai's zero_grad between steps
+        self._torch_zero = isinstance(opt, OptimWrapper)  # torch's zero_grad: a param without a grad is not stepped
         dev = next(iter(self.learn.model.parameters())).device
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
@@ -308,7 +311,9 @@ class MixedPrecision(Callback):
         fresh, self._fresh = self._fresh, False
         if not self.master_weights: return
         if fresh:
-            for m,g in self._aside: m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
+            for p,m,g in self._aside:
+                if self._torch_zero and p is not None and p.grad is None: continue  # as torch's zero_grad left it: none
+                m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
         for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master, not fresh)
         for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
 
@@ -350,8 +355,9 @@ class MixedPrecision(Callback):
         if self._stepped:
             for params,masters in self._groups: master_params_to_model_params(params, masters, self.flat_master)
         # every master grad is overwritten (or zeroed) by the next copy: fastai's zero_grad need not zero them first
-        self._aside = [(m, None if self._drop else m.grad) for m in self._sep if m.grad is not None]
-        for m,_ in self._aside: m.grad = None
+        owners = [None]*len(self._sep) if self.flat_master else self._zero  # per-param: the model param of each master
+        self._aside = [(p, m, None if self._drop else m.grad) for p,m in zip(owners, self._sep) if m.grad is not None]
+        for _,m,_ in self._aside: m.grad = None
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
@@ -372,5 +378,5 @@ class MixedPrecision(Callback):
         if self.active and self.flat_master:
             per = {id(p): s for ps,(m,) in self._groups for p,s in zip(ps, split_state(opt.state.get(m, {}), ps))}
             sd = {'state': [per.get(id(p), opt.state.get(p, {})) for pg in self._old_lists for p in pg], 'hypers': opt.hypers}
-        else: sd = type(opt).state_dict(opt)
+        else: sd = opt.opt.state_dict() if isinstance(opt, OptimWrapper) else type(opt).state_dict(opt)  # not the patched one
         return {**sd, 'mixed_precision': self.state_dict()}

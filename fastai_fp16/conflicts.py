@@ -73,6 +73,11 @@ def check_fit_setup(learn, # the Learner about to fit with `to_half()`'s callbac
                          "optimizer steps. Remove it and pass the norm to MixedPrecision instead: `learn.to_float()`, then "
                          "`learn.to_half(clip=max_norm, ...)` (`to_half` cannot be called again while its callbacks are on).")
     opt = getattr(learn, 'opt', None)
-    if opt is not None and not isinstance(opt, Optimizer):
-        raise TypeError(f"MixedPrecision steps fp32 master weights through fastai's `Optimizer`, but `learn.opt` is a "
-                        f"{type(opt).__name__}. Use a fastai optimizer (`opt_func=Adam`, `SGD`, ...), not `OptimWrapper`.")
+    if opt is None or isinstance(opt, Optimizer): return
+    if not isinstance(opt, OptimWrapper):
+        raise TypeError(f"MixedPrecision swaps fp32 masters into the param groups of fastai's `Optimizer` or `OptimWrapper`, but "
+                        f"`learn.opt` is a {type(opt).__name__}. Use `opt_func=Adam` (fastai's), or a torch optimizer through "
+                        "fastai's wrapper: `opt_func=partial(OptimWrapper, opt=torch.optim.AdamW)`.")
+    if flat_master:
+        raise ValueError(f"`flat_master=True` needs fastai's `Optimizer`; `learn.opt` wraps torch's {type(opt.opt).__name__}, which "
+                         "steps all params in a few fused kernels already (`foreach`/`fused`). Use `to_half(flat_master=False)`.")
