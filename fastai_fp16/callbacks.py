@@ -11,11 +11,12 @@ from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
 from fastai.optimizer import OptimWrapper
+from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
 from .hardware import detect, plan_precision, _fp32_math_arg
 from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .guard import BufferGuard
+from .guard import BufferGuard, kept_fp32, run_fp32
 from .conflicts import check_fit_setup
 
 # %% auto #0
@@ -52,17 +53,20 @@ def _in_fit(learn)->bool:
 class ModelToHalf(Callback):
     "Put the model in `dtype` (BatchNorm too) for the fit, and back to its exact fp32 values after"
     order = -50  # before TrainEvalCallback (-10): the model is half when training starts
-    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','run_dtype')
+    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','_kept','run_dtype')
     _warned = set()  # slow-plan warnings given in this process: each once
     def __init__(self,
         dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto' (`plan_precision`)
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
+        keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
     ):
+        self.keep_fp32 = keep_fp32
         self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
         self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
     def _check(self):
         _check_setup(self.learn)
+        kept_fp32(self.learn.model, getattr(self, 'keep_fp32', None))  # unknown names: a clear error
         devs = {t.device for t in float_tensors(self.learn.model)}
         if len(devs) > 1: raise ValueError(f"{type(self).__name__} needs the model on one device, found {sorted(map(str,devs))}. "
                                            "Move it with `learn.model.to(device)` (model parallelism is not supported).")
@@ -77,13 +81,15 @@ class ModelToHalf(Callback):
         # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
         self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
-        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype}
+        keep, mods = kept_fp32(model, getattr(self, 'keep_fp32', None))
+        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype and id(t) not in keep}
         self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
         for t,_ in self._stash.values():
             t.grad = None
             t.data = t.data.to(self.run_dtype)
         self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
         self._patched = patch_fp32_math(model) if plan.fp32_math and self.run_dtype != torch.float32 else []
+        self._kept = run_fp32(mods, self.run_dtype) if self.run_dtype != torch.float32 else []
         if fit: self.plan = plan; self._tell(plan)
 
     def _upcast(self, half:list):
@@ -142,6 +148,7 @@ class ModelToHalf(Callback):
     def _fp16_cleanup(self):
         "Every converted tensor back to fp32, holding its true value; layers' own methods back; run state dropped"
         unpatch_fp32_math(getattr(self, '_patched', []))
+        for h in getattr(self, '_kept', []): h.remove()
         stash = getattr(self, '_stash', None)
         if stash is not None:
             with torch.no_grad():
@@ -285,8 +292,13 @@ class MixedPrecision(Callback):
         if self._off: return
         guard = getattr(self, '_guard', None)
         if guard is not None and self.training and self._fresh: guard.snapshot()  # before a step's first forward
-        self.learn.xb = cast_floats(self.xb, self._mth.run_dtype)
-        if not self.loss_fp32: self.learn.yb = cast_floats(self.yb, self._mth.run_dtype)
+        dt = self._mth.run_dtype
+        self.learn.xb = cast_floats(self.xb, dt)
+        if self.loss_fp32: return
+        self.learn.yb = cast_floats(self.yb, dt)
+        for cb in self.learn.cbs:  # MixUp/CutMix (earlier) mix the half losses with `torch.lerp`: its weight in their dtype
+            lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
+            if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(dt)
     def after_pred(self):
         if self.loss_fp32 and not self._off: self.learn.pred = cast_floats(self.pred, torch.float32)
     def after_loss(self):

@@ -4,11 +4,13 @@
 
 # %% ../nbs/07_guard.ipynb #a7c1e003
 from __future__ import annotations
+from itertools import chain
 from operator import is_not
 import torch, torch.nn as nn
+from .core import cast_floats
 
 # %% auto #0
-__all__ = ['BufferGuard']
+__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32']
 
 # %% ../nbs/07_guard.ipynb #a7c1e006
 class BufferGuard:
@@ -58,3 +60,33 @@ class BufferGuard:
         with torch.no_grad(): torch._foreach_copy_(self._cur, self._snaps)
         for (_,m,n),c in zip(self.keys, self._cur):
             if m._buffers[n] is not c: m._buffers[n] = c  # reassigned by the forward: the tensor it replaced is put back
+
+# %% ../nbs/07_guard.ipynb #a7c1e00e
+def kept_fp32(model:nn.Module, # the model
+              keep=None, # names of modules, params or buffers (as `named_modules()`/`named_buffers()` give them), or module classes
+             )->tuple: # (ids of the float tensors to keep fp32, the outermost modules to run in fp32)
+    "What `keep` names in `model`: the tensors `ModelToHalf` leaves fp32, and the modules whose forward runs in fp32"
+    if keep is None: return set(), []
+    if isinstance(keep, (str, type)): keep = (keep,)
+    mods = dict(model.named_modules())
+    tens = dict(chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
+    ids, runs = set(), []
+    for k in keep:
+        if isinstance(k, type): ms = [m for m in mods.values() if isinstance(m, k)]
+        elif k in tens: ms = []; ids.add(id(tens[k]))  # a param or buffer alone: the module's forward stays as it is
+        elif k in mods: ms = [mods[k]]
+        else: raise ValueError(f"keep_fp32: {k!r} names no module, parameter or buffer of the model. Use names as "
+                               f"`model.named_modules()`, `named_parameters()` and `named_buffers()` give them (here e.g. "
+                               f"{list(tens)[:3]}), or module classes.")
+        for m in ms: ids |= {id(t) for t in chain(m.parameters(), m.buffers()) if t.is_floating_point()}
+        runs += [m for m in ms if all(m is not r for r in runs)]
+    inner = {id(s) for m in runs for s in m.modules() if s is not m}
+    return {i for i in ids if i in {id(t) for t in tens.values()}}, [m for m in runs if id(m) not in inner]
+
+def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
+             dtype:torch.dtype, # the model's dtype
+            )->list: # hook handles: `.remove()` each after the fit
+    "Forward hooks that run `modules` in fp32: their floating inputs cast to fp32, their floating outputs back to `dtype`"
+    pre = lambda m, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32))
+    post = lambda m, args, out: cast_floats(out, dtype)
+    return [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]

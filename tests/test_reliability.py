@@ -336,3 +336,17 @@ def test_gradient_clip_refusal_says_to_float_first():
     with pytest.raises(ValueError, match=r'`learn.to_float\(\)`, then `learn.to_half\(clip=max_norm'): learn.fit(1, cbs=GradientClip())
     learn.to_float().to_half(clip=1.).fit(1, 1e-2)
     assert fp32_everywhere(learn)
+
+class _NewZeros(nn.Module):
+    "A forward that makes an fp32 tensor of its own (`torch.zeros` without a dtype) and adds it to a half activation"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+    def forward(self, x): return self.b(self.a(x) + torch.zeros(8))
+
+def test_two_dtypes_error_gets_one_hint():
+    "Issue 14.6: torch's `mat1 and mat2 must have the same dtype` is raised as is, with one note naming the cause"
+    learn = Learner(synth_dls(), _NewZeros(), loss_func=nn.MSELoss()).to_half('bf16', fp32_math=False)
+    with pytest.raises(RuntimeError, match='mat1 and mat2 must have the same dtype') as e: learn.fit(1)
+    notes = [n for n in getattr(e.value, '__notes__', []) if 'fastai_fp16' in n]
+    assert len(notes) == 1 and 'x.new_zeros(n)' in notes[0] and 'keep_fp32' in notes[0]
+    assert fp32_everywhere(learn)
+    learn.to_float().to_half('bf16', fp32_math=False, keep_fp32=['']).fit(1, 1e-2)  # the whole model in fp32: it runs
