@@ -200,7 +200,7 @@ class MixedPrecision(Callback):
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
     _off = False  # set by each `before_fit`: True when the run is plain fp32 and we stand aside
     flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
-    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard')
+    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard','_torch_zero')
     def __init__(self,
         init_scale:float|None=None, # starting loss scale (the fixed scale when not `dynamic`); None: 2**16 for fp16, 1 for bf16
         dynamic:bool|None=None, # back off on overflow, grow after `growth_interval` clean steps; None: for fp16, not bf16

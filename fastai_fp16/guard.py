@@ -81,7 +81,7 @@ def kept_fp32(model:nn.Module, # the model
         for m in ms: ids |= {id(t) for t in chain(m.parameters(), m.buffers()) if t.is_floating_point()}
         runs += [m for m in ms if all(m is not r for r in runs)]
     inner = {id(s) for m in runs for s in m.modules() if s is not m}
-    return {i for i in ids if i in {id(t) for t in tens.values()}}, [m for m in runs if id(m) not in inner]
+    return ids, [m for m in runs if id(m) not in inner]
 
 def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
              dtype:torch.dtype, # the model's dtype
