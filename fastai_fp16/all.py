@@ -4,9 +4,12 @@ from .scaler import *
 from .hardware import *
 from .fp32math import *
 from .doctor import *
+from .guard import *
+from .conflicts import *
 from .callbacks import *
 from .learner import *
 from .data import *
 from .experiments import *
 from .monitor import *
 from .bench import *
+from .torch_optim import *

@@ -10,11 +10,14 @@ import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
-from fastai.optimizer import Optimizer
+from fastai.optimizer import OptimWrapper
+from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
 from .hardware import detect, plan_precision, _fp32_math_arg
 from .fp32math import patch_fp32_math, unpatch_fp32_math
+from .guard import BufferGuard, kept_fp32, run_fp32
+from .conflicts import check_fit_setup
 
 # %% auto #0
 __all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
@@ -50,17 +53,20 @@ def _in_fit(learn)->bool:
 class ModelToHalf(Callback):
     "Put the model in `dtype` (BatchNorm too) for the fit, and back to its exact fp32 values after"
     order = -50  # before TrainEvalCallback (-10): the model is half when training starts
-    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','run_dtype')
+    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','_kept','run_dtype')
     _warned = set()  # slow-plan warnings given in this process: each once
     def __init__(self,
         dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto' (`plan_precision`)
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
+        keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
     ):
+        self.keep_fp32 = keep_fp32
         self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
-        self.fp32_math, self.plan, self._announced = _fp32_math_arg(fp32_math), None, False
+        self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
     def _check(self):
         _check_setup(self.learn)
+        kept_fp32(self.learn.model, getattr(self, 'keep_fp32', None))  # unknown names: a clear error
         devs = {t.device for t in float_tensors(self.learn.model)}
         if len(devs) > 1: raise ValueError(f"{type(self).__name__} needs the model on one device, found {sorted(map(str,devs))}. "
                                            "Move it with `learn.model.to(device)` (model parallelism is not supported).")
@@ -70,18 +76,33 @@ class ModelToHalf(Callback):
         if not _checked(self): return
         model, fit = self.learn.model, _in_fit(self.learn)
         ts = float_tensors(model)
+        self._upcast([t for t in ts if t.dtype in (torch.float16, torch.bfloat16)])
         plan = plan_precision(detect(_run_device(self.learn, ts)), self.dtype, self.fp32_math)
         # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
         self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
-        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype}
+        keep, mods = kept_fp32(model, getattr(self, 'keep_fp32', None))
+        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype and id(t) not in keep}
         self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
         for t,_ in self._stash.values():
             t.grad = None
             t.data = t.data.to(self.run_dtype)
         self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
         self._patched = patch_fp32_math(model) if plan.fp32_math and self.run_dtype != torch.float32 else []
+        self._kept = run_fp32(mods, self.run_dtype) if self.run_dtype != torch.float32 else []
         if fit: self.plan = plan; self._tell(plan)
+
+    def _upcast(self, half:list):
+        "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said once)"
+        if not half: return
+        for t in half:
+            t.data = t.data.float()  # every fp16/bf16 value is an fp32 value: nothing is lost
+            if t.grad is not None: t.grad = t.grad.float()
+        if getattr(self, '_upcast_said', False): return
+        self._upcast_said = True
+        warnings.warn(f"The model was already half ({len(half)} {sorted({str(t.dtype) for t in half})} tensors, e.g. from "
+                      "`model.half()`): ModelToHalf made it fp32 first (exactly), so that the masters and BatchNorm are fp32 "
+                      "and the model is fp32 after each fit. Give `to_half()` the fp32 model; it converts for the fit.", stacklevel=3)
 
     def _tell(self, plan):
         "Warn once when the plan is slow; say once per Learner what 'auto' chose, or that fp32 math stands in"
@@ -127,6 +148,7 @@ class ModelToHalf(Callback):
     def _fp16_cleanup(self):
         "Every converted tensor back to fp32, holding its true value; layers' own methods back; run state dropped"
         unpatch_fp32_math(getattr(self, '_patched', []))
+        for h in getattr(self, '_kept', []): h.remove()
         stash = getattr(self, '_stash', None)
         if stash is not None:
             with torch.no_grad():
@@ -161,21 +183,16 @@ class BatchNormToFloat(Callback):
 # %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):
     "Clear errors for the ways to misuse the callbacks, before anything is converted"
+    mp = _find_cb(learn, MixedPrecision)
+    check_fit_setup(learn, getattr(mp, 'flat_master', False))  # fastai's own mixed precision, GradientClip, optimizers
     n = {c.__name__: len([cb for cb in learn.cbs if isinstance(cb, c)]) for c in (ModelToHalf, BatchNormToFloat, MixedPrecision)}
     if max(n.values()) > 1:
         raise ValueError(f"This Learner has its half-precision callbacks more than once ({n}): `to_half()` was called twice? "
                          "Call `learn.to_float()` to remove them, then `learn.to_half(...)` once.")
     if not n['MixedPrecision']:
-        raise ValueError("ModelToHalf makes the model half, but there is no MixedPrecision to cast the inputs and handle the "
-                         "gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half(bn_fp32=False, "
-                         "master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
-    if any(type(cb).__name__ == 'GradientClip' for cb in learn.cbs):
-        raise ValueError("fastai's GradientClip would clip the half model's scaled gradients, not the fp32 masters' that the "
-                         "optimizer steps. Remove it and pass the norm to MixedPrecision: `learn.to_half(clip=max_norm)`.")
-    opt = getattr(learn, 'opt', None)
-    if opt is not None and not isinstance(opt, Optimizer):
-        raise TypeError(f"MixedPrecision steps fp32 master weights through fastai's `Optimizer`, but `learn.opt` is a "
-                        f"{type(opt).__name__}. Use a fastai optimizer (`opt_func=Adam`, `SGD`, ...), not `OptimWrapper`.")
+        raise ValueError("fastai_fp16's ModelToHalf makes the model half, but there is no fastai_fp16 MixedPrecision to cast the "
+                         "inputs and handle the gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half("
+                         "bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
 
 # %% ../nbs/02_callbacks.ipynb #4e07e4b9
 class MixedPrecision(Callback):
@@ -183,7 +200,7 @@ class MixedPrecision(Callback):
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
     _off = False  # set by each `before_fit`: True when the run is plain fp32 and we stand aside
     flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
-    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending')
+    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard','_torch_zero')
     def __init__(self,
         init_scale:float|None=None, # starting loss scale (the fixed scale when not `dynamic`); None: 2**16 for fp16, 1 for bf16
         dynamic:bool|None=None, # back off on overflow, grow after `growth_interval` clean steps; None: for fp16, not bf16
@@ -199,13 +216,15 @@ class MixedPrecision(Callback):
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
         keep_master_grads:bool|None=None, # keep the masters' fp32 grads between steps (default: on CPU, not on CUDA)
+        guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
     ):
         self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
                                max_consecutive_skips=max_consecutive_skips)
         self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         if clip is not None and clip <= 0: raise ValueError(f"clip is a max gradient norm and must be > 0, got {clip}.")
-        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads')
+        if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
+        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads,guard_buffers')
         self.skipped,self.scales = 0,L()
 
     def _make_scaler(self, dtype)->LossScaler:
@@ -256,7 +275,8 @@ class MixedPrecision(Callback):
         else:
             sep = [(p,m) for ps,ms in self._groups for p,m in zip(ps, ms) if m is not p]  # fp32 params are their own
             self._zero, self._sep = [p for p,_ in sep], [m for _,m in sep]
-        self._aside, self._fresh = [], True  # (master, its grad) set aside from fastai's zero_grad between steps
+        self._aside, self._fresh = [], True  # (model param, master, its grad) set aside from fastai's zero_grad between steps
+        self._torch_zero = isinstance(opt, OptimWrapper)  # torch's zero_grad: a param without a grad is not stepped
         dev = next(iter(self.learn.model.parameters())).device
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
@@ -264,12 +284,21 @@ class MixedPrecision(Callback):
         self._drop = not (dev.type != 'cuda' if keep is None else keep) and not self.flat_master  # flat: views are cached
         self._found_inf, self._inv_scale = torch.zeros(2, device=dev), torch.ones(1, device=dev)
         self._inv_scale.fill_(1./self.loss_scale)
+        g = self.guard_buffers
+        self._guard = BufferGuard(self.learn.model, learn=g != 'all') if g else None
 
     def before_batch(self):
         _raise_pending(self)
         if self._off: return
-        self.learn.xb = cast_floats(self.xb, self._mth.run_dtype)
-        if not self.loss_fp32: self.learn.yb = cast_floats(self.yb, self._mth.run_dtype)
+        guard = getattr(self, '_guard', None)
+        if guard is not None and self.training and self._fresh: guard.snapshot()  # before a step's first forward
+        dt = self._mth.run_dtype
+        self.learn.xb = cast_floats(self.xb, dt)
+        if self.loss_fp32: return
+        self.learn.yb = cast_floats(self.yb, dt)
+        for cb in self.learn.cbs:  # MixUp/CutMix (earlier) mix the half losses with `torch.lerp`: its weight in their dtype
+            lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
+            if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(dt)
     def after_pred(self):
         if self.loss_fp32 and not self._off: self.learn.pred = cast_floats(self.pred, torch.float32)
     def after_loss(self):
@@ -282,6 +311,10 @@ class MixedPrecision(Callback):
         self.scales.append(self.loss_scale)
         if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
 
+    def after_backward(self):
+        guard = getattr(self, '_guard', None)
+        if guard is not None and guard.learning: guard.learn_mutated()  # the fit's first batch: which buffers moved
+
     def _master_grads(self)->list:
         return [m.grad for m in self._masters if m.grad is not None]
 
@@ -290,7 +323,9 @@ class MixedPrecision(Callback):
         fresh, self._fresh = self._fresh, False
         if not self.master_weights: return
         if fresh:
-            for m,g in self._aside: m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
+            for p,m,g in self._aside:
+                if self._torch_zero and p is not None and p.grad is None: continue  # as torch's zero_grad left it: none
+                m.grad = torch.empty_like(m) if g is None else g  # the copy fills it (or zeroes it)
         for params,masters in self._groups: model_grads_to_master_grads(params, masters, self.flat_master, not fresh)
         for p in self._zero: p.grad = None  # copied: backward writes fresh ones, nothing to zero or add into
 
@@ -312,6 +347,7 @@ class MixedPrecision(Callback):
         old = self.loss_scale
         if overflow or bad_loss:
             self.skipped += 1
+            if self._guard is not None: self._guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
             finally: self._refresh_inv_scale(old)
             raise CancelStepException()
@@ -331,8 +367,9 @@ class MixedPrecision(Callback):
         if self._stepped:
             for params,masters in self._groups: master_params_to_model_params(params, masters, self.flat_master)
         # every master grad is overwritten (or zeroed) by the next copy: fastai's zero_grad need not zero them first
-        self._aside = [(m, None if self._drop else m.grad) for m in self._sep if m.grad is not None]
-        for m,_ in self._aside: m.grad = None
+        owners = [None]*len(self._sep) if self.flat_master else self._zero  # per-param: the model param of each master
+        self._aside = [(p, m, None if self._drop else m.grad) for p,m in zip(owners, self._sep) if m.grad is not None]
+        for _,m,_ in self._aside: m.grad = None
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
@@ -353,5 +390,5 @@ class MixedPrecision(Callback):
         if self.active and self.flat_master:
             per = {id(p): s for ps,(m,) in self._groups for p,s in zip(ps, split_state(opt.state.get(m, {}), ps))}
             sd = {'state': [per.get(id(p), opt.state.get(p, {})) for pg in self._old_lists for p in pg], 'hypers': opt.hypers}
-        else: sd = type(opt).state_dict(opt)
+        else: sd = opt.opt.state_dict() if isinstance(opt, OptimWrapper) else type(opt).state_dict(opt)  # not the patched one
         return {**sd, 'mixed_precision': self.state_dict()}

@@ -15,7 +15,8 @@ from fastai.data.core import DataLoaders
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'half_dtype', 'cast_floats',
            'flat_like', 'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
            'master_params_to_model_params', 'cast_state', 'flat_state', 'split_state', 'partition_by_state',
-           'chunk_params', 'swap_in_masters', 'swap_out_masters', 'unscale_grads_', 'synth_dls', 'tiny_model']
+           'chunk_params', 'opt_state', 'swap_in_masters', 'swap_out_masters', 'unscale_grads_', 'synth_dls',
+           'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -219,30 +220,35 @@ def chunk_params(params:list, # params that may share a flat buffer
     return res
 
 # %% ../nbs/00_core.ipynb #b81f3e21
-def swap_in_masters(opt, # a fastai `Optimizer`, whose groups' trainable params are replaced by their masters
+def opt_state(opt)->dict:
+    "Per-param state of `opt`: a fastai `Optimizer`'s own, or the torch optimizer's that an `OptimWrapper` wraps"
+    inner = getattr(opt, 'opt', None)
+    return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
+
+def swap_in_masters(opt, # a fastai `Optimizer` or `OptimWrapper`, whose groups' trainable params are replaced by their masters
                     fp32_value, # function: model param -> its exact fp32 value
                     set_source=None, # called as `set_source(params, masters, keep)` for each set of masters made
                     flat_master:bool=False, # flat buffers (per group, per-param options and chunk) instead of one per param
                     flat_numel:int=2**20, # the most elements per flat buffer
                    )->list: # (model params, their masters) for each set
     "Put fp32 masters in `opt` in place of its trainable params, with their state moved across as fp32"
-    groups, new_lists = [], L()
+    groups, new_lists, state = [], L(), opt_state(opt)
     for pg in opt.param_lists:
         params, frozen = [p for p in pg if p.requires_grad], [p for p in pg if not p.requires_grad]
         if flat_master:
             flats = []
-            for part in [c for part in partition_by_state(params, opt.state) for c in chunk_params(part, flat_numel)]:
+            for part in [c for part in partition_by_state(params, state) for c in chunk_params(part, flat_numel)]:
                 _, (flat,) = prep_param_lists(part, True, [fp32_value(p) for p in part])
-                opt.state[flat] = flat_state([opt.state.pop(p, {}) for p in part], part)
+                state[flat] = flat_state([state.pop(p, {}) for p in part], part)
                 if set_source: set_source(part, flat._views, False)  # the flat copy replaces the kept fp32 data
                 groups.append((part, [flat])); flats.append(flat)
             new_lists.append(L(flats) + L(frozen))
         else:
             _, masters = prep_param_lists(params, False, [fp32_value(p) for p in params])
             for p,m in zip(params, masters):
-                if m is not p: opt.state[m] = cast_state(opt.state.pop(p, {}), torch.float32)
+                if m is not p: state[m] = cast_state(state.pop(p, {}), torch.float32)
             it = iter(masters)
-            new_lists.append(L(next(it) if p.requires_grad else p for p in pg))
+            new_lists.append(type(pg)(next(it) if p.requires_grad else p for p in pg))  # a list for torch's param groups
             if set_source: set_source(params, masters, True)
             groups.append((params, masters))
     opt.param_lists = new_lists
@@ -254,9 +260,12 @@ def swap_out_masters(opt, # the `Optimizer` given to `swap_in_masters`
                      flat_master:bool=False, # the masters are flat
                     ):
     "Put the model params back in `opt` in place of their masters, with the masters' state (fp32)"
+    state = opt_state(opt)
     for params,masters in groups:
-        states = split_state(opt.state.pop(masters[0], {}), params) if flat_master else [opt.state.pop(m, {}) for m in masters]
-        for p,s in zip(params, states): opt.state[p] = cast_state(s, torch.float32)
+        states = split_state(state.pop(masters[0], {}), params) if flat_master else [state.pop(m, {}) for m in masters]
+        for p,s in zip(params, states): state[p] = cast_state(s, torch.float32)
+        if state is not opt.state:  # an `OptimWrapper`'s own (unused) state may have met the masters in `all_params`
+            for m in masters: opt.state.pop(m, None)
     opt.param_lists = old_lists
 
 # %% ../nbs/00_core.ipynb #3daee561

@@ -4,16 +4,18 @@
 
 # %% ../nbs/03_learner.ipynb #f81242be
 from __future__ import annotations
-import functools
+import functools, re
 from contextlib import contextmanager
 import torch
 from fastcore.basics import patch
+from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
 from torch import Tensor
 from fastai.callback.core import Callback
 from .core import half_dtype
 from .callbacks import *
+from .conflicts import check_fastai_precision
 
 # %% auto #0
 __all__ = ['ToChannelsLast']
@@ -41,14 +43,16 @@ def to_half(self:Learner,
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
     channels_last:bool=False, # conv nets: model and images in channels_last memory format (`ToChannelsLast`)
     fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math; 'auto': where `dtype` is slow here (CPU)
+    keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
     "Train in half precision with fp32 masters, fp32 BatchNorm and loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
+    check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
     dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
     if dtype == torch.bfloat16: kwargs = {'init_scale': 1., 'dynamic': False, **kwargs}
-    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype, fp32_math)]
+    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype, fp32_math, keep_fp32)]
     cbs += ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [MixedPrecision(**kwargs)]
     return self.add_cbs(cbs)
 
@@ -63,12 +67,27 @@ def _cleanup_half(learn:Learner):
     for cb in learn.cbs.sorted('order'):
         if hasattr(cb, '_fp16_cleanup'): cb._fp16_cleanup()
 
+_two_dtypes = re.compile(r"same dtype|should be the same|expected scalar type|mixed dtype")
+
+def _dtype_hint(learn:Learner, e:BaseException):
+    "Name the usual cause of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
+    dt = getattr(next((cb for cb in learn.cbs if isinstance(cb, ModelToHalf)), None), 'run_dtype', torch.float32)
+    if dt == torch.float32 or not isinstance(e, RuntimeError) or not _two_dtypes.search(str(e)): return
+    if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # a nested fit said it already
+    hint = (f"fastai_fp16: the model ran in {dt} (`to_half`) and this op got tensors of two dtypes. The usual cause is a "
+            "tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
+            "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
+            "device=x.device)`), or run that module in fp32 with `to_half(keep_fp32=['its.name'])`.")
+    if hasattr(e, 'add_note'): e.add_note(hint)
+    else: e.args = (f"{e.args[0] if e.args else ''}\n{hint}", *e.args[1:])  # Python 3.10: no notes
+
 def _guard_fit(fit):
     @functools.wraps(fit)
     def _fit(self, *args, **kwargs):
         self._fp16_in_fit = getattr(self, '_fp16_in_fit', 0) + 1  # our callbacks raise misuse errors at `before_fit` in a fit
         try: return fit(self, *args, **kwargs)
-        except BaseException:
+        except BaseException as e:
+            _dtype_hint(self, e)  # while the fit's dtype is known
             _cleanup_half(self)
             raise
         finally:
@@ -116,3 +135,21 @@ def _load_with_scaler(load):
 
 if not getattr(Learner.save, '_fp16', False): Learner.save = _save_with_scaler(Learner.save)
 if not getattr(Learner.load, '_fp16', False): Learner.load = _load_with_scaler(Learner.load)
+
+# %% ../nbs/03_learner.ipynb #c03e0002
+def _ours(cb)->bool: return type(cb).__module__.split('.')[0] == 'fastai_fp16'
+
+def _export_plain(export):
+    @functools.wraps(export)
+    def _export(self, *args, **kwargs):
+        ours = [cb for cb in self.cbs if _ours(cb)]
+        if not ours: return export(self, *args, **kwargs)
+        cbs, attrs = self.cbs, {cb.name: cb for cb in ours if self.__dict__.get(cb.name) is cb}
+        self.cbs = L(cb for cb in cbs if not _ours(cb))  # what is pickled: the Learner without them...
+        for n in attrs: del self.__dict__[n]
+        try: return export(self, *args, **kwargs)
+        finally: self.cbs = cbs; self.__dict__.update(attrs)  # ...and the one you hold, as it was
+    _export._fp16 = True
+    return _export
+
+if not getattr(Learner.export, '_fp16', False): Learner.export = _export_plain(Learner.export)

@@ -45,6 +45,42 @@ def test_nan_micro_batch_skips_its_step(flat):
     assert mp.skipped == 1 and mp.loss_scale == 256.  # skipped, and the scale not blamed for bad data
     assert all(torch.equal(a, b) for a, b in zip(w, params(learn)))
 
+class BNSnap(Callback):
+    "The model's buffers (BatchNorm's running stats and count) before training batch `first` and after batch `last`"
+    order = 100
+    def __init__(self, first, last): self.first, self.last = first, last
+    def before_batch(self):
+        if self.training and self.iter == self.first: self.before = [b.clone() for b in self.model.buffers()]
+    def after_batch(self):
+        if self.training and self.iter == self.last: self.after = [b.clone() for b in self.model.buffers()]
+
+@pytest.mark.parametrize('flat', [False, True])
+def test_nan_value_leaves_batchnorm_stats_exact(flat):
+    "Issue 14: one NaN value skips the step and leaves running_mean/var and num_batches_tracked as before that batch"
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[17, 2] = float('nan')  # one value, in the third training batch
+    snap = BNSnap(2, 2)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256., flat_master=flat)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 1
+    assert len(snap.before) == 3 and all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
+    assert all(torch.isfinite(b).all() for b in learn.model.buffers() if b.is_floating_point())
+    assert torch.isfinite(torch.tensor(learn.validate()[0]))
+    assert learn.model[1].num_batches_tracked == 5  # the 5 clean batches of 6
+
+def test_nan_micro_batch_restores_the_whole_steps_stats():
+    "With GradientAccumulation, a skipped step puts back what all of its micro-batches' forwards changed"
+    from fastai.callback.training import GradientAccumulation
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    x[9, 0] = float('inf')  # in the second micro-batch of the first 4-batch step
+    snap = BNSnap(0, 3)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam,
+                    cbs=[GradientAccumulation(32), snap]).to_half(init_scale=256.)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
+    assert torch.isfinite(torch.tensor(learn.validate()[0]))
+
 def _usable(learn):
     assert fp32_everywhere(learn) and opt_on_model(learn)
     learn.fit(1, 1e-3)
@@ -124,8 +160,8 @@ def test_wrong_use_is_caught_at_before_fit():
     m[3].bias = nn.Parameter(torch.zeros(2, device='meta'))
     learn = Learner(synth_dls(), m, loss_func=nn.MSELoss()).to_half()
     with pytest.raises(ValueError, match='needs the model on one device'): learn.fit(1)
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=lambda p, lr: OptimWrapper(p, torch.optim.SGD, lr=lr)).to_half()
-    with pytest.raises(TypeError, match="not `OptimWrapper`"): learn.fit(1)
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=lambda p, lr: OptimWrapper(p, torch.optim.SGD, lr=lr)).to_half(flat_master=True)
+    with pytest.raises(ValueError, match="flat_master=False"): learn.fit(1)
     assert fp32_everywhere(learn)
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
     learn.add_cb(ModelToHalf())
@@ -205,3 +241,112 @@ def test_misuse_in_validate_does_not_leave_fastai_locked():
     assert not t.is_alive(), 'the second validate hung'
     assert len(errors) == 2 and all('more than once' in e for e in errors)
     assert fp32_everywhere(learn) and not learn.lock.locked()
+
+_load_plain = '''
+import sys, json
+sys.modules['fastai_fp16'] = None  # as on a machine without fastai_fp16: importing it fails
+from fastai.learner import load_learner
+learn = load_learner(sys.argv[1])
+print(json.dumps({'pred': learn.predict(3)[0].tolist(), 'cbs': [type(cb).__module__ for cb in learn.cbs],
+                  'dtypes': sorted({str(p.dtype) for p in learn.model.parameters()})}))
+'''
+
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_export_loads_without_fastai_fp16(dtype):
+    "Issue 14.2: `export` after `to_half` writes a plain fp32 Learner; the Learner you hold keeps its callbacks"
+    import subprocess, sys, json
+    from fastai.data.core import Datasets
+    from fastai.data.transforms import IndexSplitter
+    tmp = Path(tempfile.mkdtemp())
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    dsets = Datasets(list(range(64)), [[x.__getitem__], [y.__getitem__]], splits=IndexSplitter(range(48, 64))(range(64)))
+    learn = Learner(dsets.dataloaders(bs=16, shuffle=False), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half(dtype)
+    learn.fit(1, 1e-2)
+    cbs = list(learn.cbs)
+    learn.export('e.pkl')
+    assert list(learn.cbs) == cbs and type(learn.mixed_precision) is MixedPrecision and type(learn.model_to_half) is ModelToHalf
+    r = subprocess.run([sys.executable, '-c', _load_plain, str(tmp/'e.pkl')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got['dtypes'] == ['torch.float32'] and not any(m.startswith('fastai_fp16') for m in got['cbs'])
+    with torch.no_grad(): expected = learn.model.eval()(x[3:4])[0]
+    assert torch.allclose(torch.tensor(got['pred']), expected, atol=1e-6), (got['pred'], expected)
+
+class _Dtypes(Callback):
+    "The dtypes of the model's weights and of BatchNorm's params and running stats at the training steps"
+    order = 20
+    def before_fit(self): self.seen = set()
+    def before_step(self):
+        bn = self.model[1]
+        self.seen.add((self.model[0].weight.dtype, bn.weight.dtype, bn.running_var.dtype))
+
+@pytest.mark.parametrize('made,dtype', [(torch.float16, 'fp16'), (torch.float16, 'bf16'), (torch.bfloat16, 'fp16')])
+def test_half_model_is_made_fp32_first(made, dtype):
+    "Issue 14.3: a model already half before `to_half` is converted to fp32 first (exactly, said once), never left half"
+    m = tiny_model().to(made)
+    w = [p.detach().float() for p in m.parameters()]  # the exact fp32 values of its half weights
+    spy = _Dtypes()
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), cbs=spy).to_half(dtype, init_scale=256.)
+    with pytest.warns(UserWarning, match='already half') as rec: learn.validate()
+    assert len([r for r in rec if 'already half' in str(r.message)]) == 1
+    assert fp32_everywhere(learn) and all(torch.equal(a, b) for a, b in zip(w, learn.model.parameters()))
+    learn.fit(1, 1e-2)
+    half = half_dtype(dtype)
+    assert spy.seen == {(half, torch.float32, torch.float32)}  # BatchNorm fp32 during the fit
+    assert fp32_everywhere(learn) and opt_on_model(learn)
+
+def test_half_model_said_once():
+    import warnings
+    learn = Learner(synth_dls(), tiny_model().half(), loss_func=nn.MSELoss()).to_half(init_scale=256.)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(1, 1e-2)
+        learn.model.half()  # made half again between fits: converted again, not said again
+        learn.fit(1, 1e-2)
+    assert len([w for w in ws if 'already half' in str(w.message)]) == 1 and fp32_everywhere(learn)
+
+@pytest.mark.parametrize('method,fix', [('to_fp16', 'learn.to_fp32()'), ('to_bf16', 'learn.to_fp32()'),
+                                        ('to_non_native_fp16', 'learn.to_non_native_fp32()')])
+def test_two_precision_systems_are_refused(method, fix):
+    "Issue 14.4: fastai's own mixed precision and `to_half()`, in either order, fail at once and say how to keep one"
+    import re
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    cbs = list(learn.cbs)
+    with pytest.raises(ValueError, match=re.escape('learn.to_float()')): getattr(learn, method)()
+    assert list(learn.cbs) == cbs and type(learn.mixed_precision) is MixedPrecision  # nothing added
+    learn = getattr(Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()), method)()
+    with pytest.raises(ValueError, match=re.escape(fix)): learn.to_half()
+    assert not any(type(cb).__module__.startswith('fastai_fp16') for cb in learn.cbs)
+    getattr(learn, fix.split('.')[1][:-2])()  # as the message says
+    learn.to_half().fit(1, 1e-2)
+    assert fp32_everywhere(learn) and learn.mixed_precision.skipped < 3
+
+def test_fastai_mixed_precision_with_our_model_to_half_names_both():
+    from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(), FastaiMixedPrecision()])
+    with pytest.raises(ValueError) as e: learn.fit(1)
+    assert "fastai's own mixed precision (MixedPrecision from fastai.callback.fp16" in str(e.value)
+    assert 'fastai_fp16.callbacks.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
+    assert fp32_everywhere(learn)
+
+def test_gradient_clip_refusal_says_to_float_first():
+    "Issue 14.6: what the message says works: `to_float()`, then `to_half(clip=...)`"
+    from fastai.callback.training import GradientClip
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    with pytest.raises(ValueError, match=r'`learn.to_float\(\)`, then `learn.to_half\(clip=max_norm'): learn.fit(1, cbs=GradientClip())
+    learn.to_float().to_half(clip=1.).fit(1, 1e-2)
+    assert fp32_everywhere(learn)
+
+class _NewZeros(nn.Module):
+    "A forward that makes an fp32 tensor of its own (`torch.zeros` without a dtype) and adds it to a half activation"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+    def forward(self, x): return self.b(self.a(x) + torch.zeros(8))
+
+def test_two_dtypes_error_gets_one_hint():
+    "Issue 14.6: torch's `mat1 and mat2 must have the same dtype` is raised as is, with one note naming the cause"
+    learn = Learner(synth_dls(), _NewZeros(), loss_func=nn.MSELoss()).to_half('bf16', fp32_math=False)
+    with pytest.raises(RuntimeError, match='mat1 and mat2 must have the same dtype') as e: learn.fit(1)
+    notes = [n for n in getattr(e.value, '__notes__', []) if 'fastai_fp16' in n]
+    assert len(notes) == 1 and 'x.new_zeros(n)' in notes[0] and 'keep_fp32' in notes[0]
+    assert fp32_everywhere(learn)
+    learn.to_float().to_half('bf16', fp32_math=False, keep_fp32=['']).fit(1, 1e-2)  # the whole model in fp32: it runs

@@ -209,7 +209,7 @@ class _HeldBetweenSteps(Callback):
     order = 20
     def before_fit(self): self.held = []
     def before_backward(self):
-        if self.train_iter: self.held.append([g is not None for _,g in self.learn.mixed_precision._aside])
+        if self.train_iter: self.held.append([g is not None for *_,g in self.learn.mixed_precision._aside])
 
 def test_dropped_master_grads_train_identically():
     "keep_master_grads=False (CUDA's default): no fp32 grad buffers in the backward pass, the same weights"
@@ -221,3 +221,44 @@ def test_dropped_master_grads_train_identically():
         res.append(params(learn))
         assert len(held.held) > 4 and all(all(h) == keep and any(h) == keep for h in held.held)
     assert all(torch.equal(a, b) for a, b in zip(*res))
+
+@pytest.mark.parametrize('mix', ['MixUp', 'CutMix'])
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_mixup_with_half_loss(mix, dtype):
+    "Issue 14.6: MixUp/CutMix with loss_fp32=False: torch.lerp mixes half losses with a weight in their dtype"
+    import fastai.callback.mixup as mixup
+    x, y = torch.rand(48, 3, 8, 8), torch.randint(0, 3, (48,))
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    learn = Learner(dls_from(x, y, bs=8), m, loss_func=CrossEntropyLossFlat(), cbs=getattr(mixup, mix)())
+    learn.to_half(dtype, loss_fp32=False, init_scale=256.)
+    learn.fit(1, 1e-2)
+    assert learn.mixed_precision.skipped == 0 and fp32_everywhere(learn)
+    assert all(torch.isfinite(torch.tensor(v)) for v in learn.recorder.values[-1])
+
+class _Count(nn.Module):
+    "Counts its training forwards in a float buffer from 256, where bf16 can no longer add 1"
+    def __init__(self): super().__init__(); self.register_buffer('n', torch.tensor(256.)); self.lin = nn.Linear(4, 4)
+    def forward(self, x):
+        if self.training: self.n += 1
+        return self.lin(x)
+
+class _Seen(Callback):
+    order = 20
+    def before_fit(self): self.dtypes = set()
+    def before_step(self): self.dtypes.add((self.model[0].lin.weight.dtype, self.model[1][0].weight.dtype))
+
+@pytest.mark.parametrize('keep', [None, '0.n', '0', _Count])
+def test_keep_fp32_keeps_updated_buffers_exact(keep):
+    "Issue 14.6: a float buffer the forward updates is rounded to bf16 (stuck at 256) unless kept fp32 by name or class"
+    spy = _Seen()
+    learn = Learner(synth_dls(), nn.Sequential(_Count(), tiny_model()), loss_func=nn.MSELoss(), cbs=spy)
+    learn.to_half('bf16', keep_fp32=keep).fit(2, 1e-2)   # 3 training batches per epoch
+    n = learn.model[0].n
+    assert n.dtype == torch.float32 and n == (256. if keep is None else 262.)
+    assert spy.dtypes == {(torch.float32 if keep in ('0', _Count) else torch.bfloat16, torch.bfloat16)}  # a kept module runs fp32
+    assert fp32_everywhere(learn) and not any(m._forward_hooks or m._forward_pre_hooks for m in learn.model.modules())
+
+def test_keep_fp32_unknown_name_is_a_clear_error():
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half(keep_fp32=['body.ema'])
+    with pytest.raises(ValueError, match="'body.ema' names no module, parameter or buffer"): learn.fit(1)
+    assert fp32_everywhere(learn)
