@@ -60,7 +60,7 @@ def _str_padding(x, padding:str, w, dilation)->tuple:
     pads = [p for t in reversed(tot) for p in (t//2, t - t//2)]  # F.pad lists the last dim first
     return F.pad(x, pads), (0,)*nd
 
-def _conv_forward(m, x, w, b):
+def _conv_fp32_forward(m, x, w, b):
     "`m._conv_forward` in fp32 math when `w` is half"
     if w.dtype not in _half: return type(m)._conv_forward(m, x, w, b)
     nd, pad = w.dim() - 2, m.padding
@@ -70,7 +70,7 @@ def _conv_forward(m, x, w, b):
     out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, m.stride, pad, m.dilation, False, (0,)*nd, m.groups)
     return out.squeeze(0) if unbatched else out
 
-def _conv_t_forward(m, x, output_size=None):
+def _conv_t_fp32_forward(m, x, output_size=None):
     "`m.forward` of a transposed convolution in fp32 math when its weight is half"
     w = m.weight
     if w.dtype not in _half: return type(m).forward(m, x, output_size)
@@ -81,7 +81,7 @@ def _conv_t_forward(m, x, output_size=None):
     out = ConvFp32.apply(x, w, m.bias, m.stride, m.padding, m.dilation, True, op, m.groups)
     return out.squeeze(0) if unbatched else out
 
-def _linear_forward(m, x):
+def _linear_fp32_forward(m, x):
     "`m.forward` of a linear layer in fp32 math when its weight is half"
     return LinearFp32.apply(x, m.weight, m.bias) if m.weight.dtype in _half else type(m).forward(m, x)
 
@@ -90,8 +90,8 @@ _conv_ts = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 def _patch_for(m:nn.Module):
     "(method name, replacement) for `m`, or None if `m` is not a layer we compute, or runs code of its own"
-    for bases,name,f in ((_convs,'_conv_forward',_conv_forward), (_conv_ts,'forward',_conv_t_forward),
-                         ((nn.Linear,),'forward',_linear_forward)):
+    for bases,name,f in ((_convs,'_conv_forward',_conv_fp32_forward), (_conv_ts,'forward',_conv_t_fp32_forward),
+                         ((nn.Linear,),'forward',_linear_fp32_forward)):
         base = next((c for c in bases if isinstance(m, c)), None)
         if base is not None:
             own = getattr(type(m), name) is not getattr(base, name) or name in m.__dict__

@@ -6,7 +6,8 @@
 from __future__ import annotations
 import functools, os, platform
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from fastcore.basics import store_attr
 from pathlib import Path
 import torch
 from .core import half_dtype
@@ -21,16 +22,24 @@ _isa_bits = dict(SSE41=0x1, AVX=0x3, AVX2=0x7, AVX2_VNNI=0xf, AVX2_VNNI_2=0x1f, 
                  AVX512_CORE_BF16=0xe7, AVX512_CORE_FP16=0x1ef, AVX10_1_512=0x1ef, AVX512_CORE_AMX=0xfef,
                  AVX10_1_512_AMX=0xfef, AVX512_CORE_AMX_FP16=0x1fef, AVX10_1_512_AMX_FP16=0x1fef)
 
-@dataclass(frozen=True)
-class Capabilities:
+class _Record:
+    "Equality, hash and repr from the attributes (a value object whose `__init__` carries the docments)"
+    def __eq__(self, o): return type(o) is type(self) and vars(o) == vars(self)
+    def __hash__(self): return hash(tuple(vars(self).items()))
+    def __repr__(self): return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k,v in vars(self).items())})"
+
+class Capabilities(_Record):
     "What a device offers for half precision: the one input of every precision decision"
-    device_type:str='cpu' # 'cpu' or 'cuda' (anything else gets no half precision by default)
-    name:str='' # CPU model or GPU name
-    flags:frozenset=frozenset() # CPU features that matter: avx2, avx512, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16, arm_bf16
-    isa_limit:str|None=None # CPU: oneDNN's cap (`ONEDNN_MAX_CPU_ISA`), if set
-    vector_isa:str='' # CPU: torch's vector ISA (`torch.backends.cpu.get_cpu_capability()`)
-    cc:tuple|None=None # CUDA: compute capability (major, minor)
-    cuda_bf16:bool|None=None # CUDA: `torch.cuda.is_bf16_supported()`
+    def __init__(self,
+        device_type:str='cpu', # 'cpu' or 'cuda' (anything else gets no half precision by default)
+        name:str='', # CPU model or GPU name
+        flags:frozenset=frozenset(), # CPU features that matter: avx2, avx512, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16, arm_bf16
+        isa_limit:str|None=None, # CPU: oneDNN's cap (`ONEDNN_MAX_CPU_ISA`), if set
+        vector_isa:str='', # CPU: torch's vector ISA (`torch.backends.cpu.get_cpu_capability()`)
+        cc:tuple|None=None, # CUDA: compute capability (major, minor)
+        cuda_bf16:bool|None=None, # CUDA: `torch.cuda.is_bf16_supported()`
+    ):
+        store_attr(store_args=False); self.flags, self.cc = frozenset(flags), None if cc is None else tuple(cc)
 
     def has(self, flag:str)->bool:
         "Whether the CPU has `flag` and oneDNN may use it"
@@ -141,16 +150,17 @@ _names = {torch.float16: 'fp16', torch.bfloat16: 'bf16', torch.float32: 'fp32'}
 _slow = dict(cpu=dict(bf16="a training step 8-30x slower than fp32", fp16="a training step ~10-100x slower than fp32"),
              cuda=dict(bf16="slower than fp16", fp16="slower than fp32"))
 
-@dataclass(frozen=True)
-class PrecisionPlan:
+class PrecisionPlan(_Record):
     "What a fit runs: the model's dtype, whether convolutions and linear layers compute in fp32, and why"
-    dtype:torch.dtype # the model's dtype in the fit (fp32: plain fp32 training)
-    fp32_math:bool # convolutions and linear layers in fp32, outputs and grads rounded to `dtype`
-    fast:bool # `dtype` has fast native kernels here (fp32 always does)
-    requested:str # what was asked: 'auto', 'fp16' or 'bf16'
-    reason:str # why, in a few words
-    device:str='cpu' # the device type
-    warning:str|None=None # set when the plan is slow: what to do instead
+    def __init__(self,
+        dtype:torch.dtype, # the model's dtype in the fit (fp32: plain fp32 training)
+        fp32_math:bool, # convolutions and linear layers in fp32, outputs and grads rounded to `dtype`
+        fast:bool, # `dtype` has fast native kernels here (fp32 always does)
+        requested:str, # what was asked: 'auto', 'fp16' or 'bf16'
+        reason:str, # why, in a few words
+        device:str='cpu', # the device type
+        warning:str|None=None, # set when the plan is slow: what to do instead
+    ): store_attr(store_args=False)
     @property
     def kernels(self)->str:
         "The kernel path, e.g. 'bf16', 'bf16 storage, fp32 math' or 'fp32'"
