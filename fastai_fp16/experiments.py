@@ -131,6 +131,13 @@ class _NativeSpy(Callback):
         if not self.training or self.fmp is None or getattr(self.learn, 'scaler', None) is None: return
         self.scales.append(self.learn.scaler.get_scale()); self.skipped += int(bool(getattr(self.fmp, 'skipped', False)))
 
+class _TableLog:
+    "fastai's table of results as plain lines, one per epoch (for a log or a pipe: no progress bars)"
+    def __init__(self, learn): self.learn, self.head = learn, False
+    def __call__(self, row):
+        if not self.head: print('  '.join(f'{n:>10}' for n in self.learn.recorder.metric_names)); self.head = True
+        print('  '.join(f'{v:>10.5f}' if isinstance(v, float) else f'{str(v):>10}' for v in row), flush=True)
+
 def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed:int=42,
                fp32_math='auto', # `to_half`'s: 'auto' (fp32 math where the dtype is slow here), True or False
                show:bool=False, # fastai's table of results per epoch
@@ -152,6 +159,7 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     err, t = '', time.perf_counter()
     with warnings.catch_warnings():
         ctx = (learn.no_bar(), learn.no_logging()) if not show else () if bar else (learn.no_bar(),)
+        if show and not bar: learn.logger = _TableLog(learn)
         try:
             for c in ctx: c.__enter__()
             getattr(learn, learn.fit_method)(epochs)
