@@ -40,3 +40,24 @@ def exportable_dls(n=64, bs=16, seed=0):
     x = torch.randn(n, 4, generator=g); y = x @ torch.randn(4, 2, generator=g)
     dsets = Datasets(list(range(n)), [[Item(x)], [Item(y)]], splits=IndexSplitter(list(range(n*3//4, n)))(range(n)))
     return dsets.dataloaders(bs=bs, shuffle=False, device='cpu')
+
+def recipe_by_hand(opt_cls, steps, lr=1e-2, N=64, D_in=32, D_out=16):
+    """NVIDIA's recipe written out (fp16 Linear in fp32 math, fp32 masters stepped by `opt_cls`, static scale 128):
+    (a fresh fp32 Linear holding the same start, the data, the masters after `steps`)"""
+    x, y = torch.randn(N, D_in).half().float(), torch.randn(N, D_out).half().float()
+    lin = nn.Linear(D_in, D_out)
+    with torch.no_grad():
+        for p in lin.parameters(): p.copy_(p.half().float())  # so both start from the same masters
+    ref = nn.Linear(D_in, D_out).half(); ref.load_state_dict(lin.state_dict())
+    patch_fp32_math(ref)  # fp16 storage, fp32 math: what `to_half` runs on a CPU (fp16 has no fast CPU kernels)
+    model_params, master_params = prep_param_lists(ref)
+    opt = opt_cls(master_params, lr=lr)
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(ref(x.half()).float(), y)
+        ref.zero_grad()
+        (loss*128.).backward()
+        model_grads_to_master_grads(model_params, master_params)
+        for p in master_params: p.grad.mul_(1./128)
+        opt.step()
+        master_params_to_model_params(model_params, master_params)
+    return lin, x, y, master_params

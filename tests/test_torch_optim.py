@@ -14,23 +14,8 @@ AdamW = partial(OptimWrapper, opt=torch.optim.AdamW)
 
 def test_adamw_equals_the_recipe_by_hand():
     "torch's AdamW stepping fp32 masters by hand (fp16 Linear, static scale 128) and through OptimWrapper: the same weights"
-    N, D_in, D_out, lr, steps = 64, 32, 16, 1e-2, 8
-    x, y = torch.randn(N, D_in).half().float(), torch.randn(N, D_out).half().float()
-    lin = nn.Linear(D_in, D_out)
-    with torch.no_grad():
-        for p in lin.parameters(): p.copy_(p.half().float())
-    ref = nn.Linear(D_in, D_out).half(); ref.load_state_dict(lin.state_dict())
-    patch_fp32_math(ref)
-    model_params, master_params = prep_param_lists(ref)
-    opt = torch.optim.AdamW(master_params, lr=lr)
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(ref(x.half()).float(), y)
-        ref.zero_grad()
-        (loss*128.).backward()
-        model_grads_to_master_grads(model_params, master_params)
-        for p in master_params: p.grad.mul_(1./128)
-        opt.step()
-        master_params_to_model_params(model_params, master_params)
+    N, lr, steps = 64, 1e-2, 8
+    lin, x, y, master_params = recipe_by_hand(torch.optim.AdamW, steps, lr, N)
     learn = Learner(dls_from(torch.cat([x, x[:16]]), torch.cat([y, y[:16]]), bs=N), lin, loss_func=nn.MSELoss(), opt_func=AdamW)
     learn.to_half(init_scale=128, dynamic=False)
     learn.fit(steps, lr)

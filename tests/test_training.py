@@ -10,23 +10,8 @@ from helpers import *
 
 def test_nvidia_recipe_equals_learner():
     "The recipe by hand (fp16 Linear, fp32 master, static scale 128, SGD) and our callbacks give the same weights"
-    N, D_in, D_out, lr, steps = 64, 32, 16, 1e-2, 10
-    x, y = torch.randn(N, D_in).half().float(), torch.randn(N, D_out).half().float()
-    lin = nn.Linear(D_in, D_out)
-    with torch.no_grad():
-        for p in lin.parameters(): p.copy_(p.half().float())  # so both start from the same masters
-    ref = nn.Linear(D_in, D_out).half(); ref.load_state_dict(lin.state_dict())
-    patch_fp32_math(ref)  # fp16 storage, fp32 math: what `to_half` runs on a CPU (fp16 has no fast CPU kernels)
-    model_params, master_params = prep_param_lists(ref)
-    opt = torch.optim.SGD(master_params, lr=lr)
-    for _ in range(steps):
-        loss = nn.functional.mse_loss(ref(x.half()).float(), y)
-        ref.zero_grad()
-        (loss*128.).backward()
-        model_grads_to_master_grads(model_params, master_params)
-        for p in master_params: p.grad.mul_(1./128)
-        opt.step()
-        master_params_to_model_params(model_params, master_params)
+    N, lr, steps = 64, 1e-2, 10
+    lin, x, y, master_params = recipe_by_hand(torch.optim.SGD, steps, lr, N)
     learn = Learner(dls_from(torch.cat([x, x[:16]]), torch.cat([y, y[:16]]), bs=N), lin, loss_func=nn.MSELoss(), opt_func=SGD)
     learn.to_half(init_scale=128, dynamic=False)
     learn.fit(steps, lr)
