@@ -6,6 +6,7 @@ from .fp32math import *
 from .doctor import *
 from .guard import *
 from .conflicts import *
+from .half_model import *
 from .callbacks import *
 from .learner import *
 from .data import *

@@ -4,8 +4,7 @@
 
 # %% ../nbs/02_callbacks.ipynb #15c74dcf
 from __future__ import annotations
-import warnings
-import torch, torch.nn as nn
+import torch
 import torch.distributed as dist
 from fastcore.basics import store_attr
 from fastcore.foundation import L
@@ -14,171 +13,13 @@ from fastai.optimizer import OptimWrapper
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
-from .hardware import detect, plan_precision, _fp32_math_arg
-from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .guard import BufferGuard, kept_fp32, run_fp32
+from .guard import BufferGuard
+from .half_model import *
+from .half_model import _find_cb, _checked, _raise_pending, _in_fit
 from .conflicts import check_fit_setup
 
 # %% auto #0
-__all__ = ['ModelToHalf', 'BatchNormToFloat', 'MixedPrecision']
-
-# %% ../nbs/02_callbacks.ipynb #39118875
-def _find_cb(learn, cls):
-    return next((cb for cb in learn.cbs if isinstance(cb, cls)), None) if learn is not None else None
-
-def _checked(cb)->bool:
-    "Run `cb._check()`. In a fit its error is raised now; in `validate`/`get_preds` at the first batch, because fastai 2.8.7 "
-    "leaves `learn.lock` held (the next `validate` hangs) and logging off when their `before_fit` raises"
-    try: cb._check(); return True
-    except Exception as e:
-        if getattr(cb.learn, '_fp16_in_fit', 0): raise
-        cb._pending = e
-        return False
-
-def _raise_pending(cb):
-    e = cb.__dict__.pop('_pending', None)
-    if e is not None: raise e
-
-def _run_device(learn, ts:list)->torch.device:
-    "Where a fit runs: the `DataLoaders`' device (fastai moves the model there), else the model's"
-    d = getattr(getattr(learn, 'dls', None), 'device', None)
-    return torch.device(d) if d is not None else ts[0].device if ts else torch.device('cpu')
-
-def _in_fit(learn)->bool:
-    "Whether `before_fit` comes from `fit`, not `validate`/`get_preds` (fastai holds `learn.lock` in those)"
-    lock = getattr(learn, 'lock', None)
-    return bool(getattr(learn, '_fp16_in_fit', 0)) or lock is None or not lock.locked()
-
-# %% ../nbs/02_callbacks.ipynb #69c26c39
-class ModelToHalf(Callback):
-    "Put the model in `dtype` (BatchNorm too) for the fit, and back to its exact fp32 values after"
-    order = -50  # before TrainEvalCallback (-10): the model is half when training starts
-    _stateattrs = ('_stash','_sources','_hook','_depth','_pending','_patched','_kept','run_dtype')
-    _warned = set()  # slow-plan warnings given in this process: each once
-    def __init__(self,
-        dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto' (`plan_precision`)
-        fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
-        keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
-    ):
-        self.keep_fp32 = keep_fp32
-        self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
-        self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
-
-    def _check(self):
-        _check_setup(self.learn)
-        kept_fp32(self.learn.model, getattr(self, 'keep_fp32', None))  # unknown names: a clear error
-        devs = {t.device for t in float_tensors(self.learn.model)}
-        if len(devs) > 1: raise ValueError(f"{type(self).__name__} needs the model on one device, found {sorted(map(str,devs))}. "
-                                           "Move it with `learn.model.to(device)` (model parallelism is not supported).")
-
-    def before_fit(self):
-        if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the model is already half
-        if not _checked(self): return
-        model, fit = self.learn.model, _in_fit(self.learn)
-        ts = float_tensors(model)
-        self._upcast([t for t in ts if t.dtype in (torch.float16, torch.bfloat16)])
-        plan = plan_precision(detect(_run_device(self.learn, ts)), self.dtype, self.fp32_math)
-        # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
-        self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
-        # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
-        keep, mods = kept_fp32(model, getattr(self, 'keep_fp32', None))
-        self._stash = {id(t): (t, t.data) for t in ts if t.dtype != self.run_dtype and id(t) not in keep}
-        self._sources, self._depth = {}, 1  # only once checks passed: a failed `before_fit` leaves no run state
-        for t,_ in self._stash.values():
-            t.grad = None
-            t.data = t.data.to(self.run_dtype)
-        self._hook = model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a))  # torch wants a function
-        self._patched = patch_fp32_math(model) if plan.fp32_math and self.run_dtype != torch.float32 else []
-        self._kept = run_fp32(mods, self.run_dtype) if self.run_dtype != torch.float32 else []
-        if fit: self.plan = plan; self._tell(plan)
-
-    def _upcast(self, half:list):
-        "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said once)"
-        if not half: return
-        for t in half:
-            t.data = t.data.float()  # every fp16/bf16 value is an fp32 value: nothing is lost
-            if t.grad is not None: t.grad = t.grad.float()
-        if getattr(self, '_upcast_said', False): return
-        self._upcast_said = True
-        warnings.warn(f"The model was already half ({len(half)} {sorted({str(t.dtype) for t in half})} tensors, e.g. from "
-                      "`model.half()`): ModelToHalf made it fp32 first (exactly), so that the masters and BatchNorm are fp32 "
-                      "and the model is fp32 after each fit. Give `to_half()` the fp32 model; it converts for the fit.", stacklevel=3)
-
-    def _tell(self, plan):
-        "Warn once when the plan is slow; say once per Learner what 'auto' chose, or that fp32 math stands in"
-        if plan.warning and plan.warning not in ModelToHalf._warned:
-            ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
-        if self._announced or not (plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto')): return
-        self._announced = True
-        # silent under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics')
-        if getattr(getattr(self.learn, 'logger', print), '__name__', '') != 'noop': print(plan.describe())
-
-    def fp32_value(self, t:torch.Tensor)->torch.Tensor:
-        "The true fp32 value of model tensor `t` during the fit (its master, its kept value, or its trained half value)"
-        if id(t) not in getattr(self, '_stash', {}): return t.detach()
-        src = self._sources.get(id(t))
-        if src is not None: return src.detach()
-        orig = self._stash[id(t)][1]
-        return orig if torch.equal(t.data, orig.to(t.dtype)) else t.data.float()
-
-    def set_source(self, params:list, values:list,
-                   keep:bool=True, # keep the fp32 data of `params`; False frees it (remade from `values` after the fit)
-                  ):
-        "Declare `values` (fp32 masters) as the true values of model `params` for the rest of the fit"
-        self._sources.update({id(p): v for p,v in zip(params, values)})
-        if not keep: self._stash.update({id(p): (p, None) for p in params if id(p) in self._stash})
-
-    def before_batch(self): _raise_pending(self)
-
-    def restore(self, tensors:list):
-        "Put `tensors` back to their fp32 values now and stop managing them (for `BatchNormToFloat`)"
-        for t in tensors:
-            t_orig = getattr(self, '_stash', {}).pop(id(t), None)
-            if t_orig is not None: t.grad = None; t.data = t_orig[1]
-
-    def _fp32_state(self, module, sd, prefix, meta):
-        "State-dict hook: checkpoints taken during the fit hold fp32 values"
-        for n,t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-            if prefix+n in sd and id(t) in self._stash: sd[prefix+n] = self.fp32_value(t)
-
-    def after_fit(self):
-        self._depth = getattr(self, '_depth', 1) - 1
-        if self._depth <= 0: self._fp16_cleanup()
-
-    def _fp16_cleanup(self):
-        "Every converted tensor back to fp32, holding its true value; layers' own methods back; run state dropped"
-        unpatch_fp32_math(getattr(self, '_patched', []))
-        for h in getattr(self, '_kept', []): h.remove()
-        stash = getattr(self, '_stash', None)
-        if stash is not None:
-            with torch.no_grad():
-                for t,orig in stash.values():
-                    v = self.fp32_value(t)
-                    if orig is None: orig = v.detach().clone()  # freed for a flat master: remade, in its layout
-                    elif v.data_ptr() != orig.data_ptr(): orig.copy_(v)
-                    t.grad = None
-                    t.data = orig
-            self._hook.remove()
-        for a in self._stateattrs: self.__dict__.pop(a, None)
-
-# %% ../nbs/02_callbacks.ipynb #92d7d8f7
-class BatchNormToFloat(Callback):
-    "Return the BatchNorm layers of a half model (params and running stats) to their exact fp32 values"
-    order = ModelToHalf.order + 1  # right after ModelToHalf
-    def __init__(self, keep_norm_fp32=('batch',)): # kinds of norm layer kept fp32 (see `norm_types`)
-        norm_classes(keep_norm_fp32)  # fail early on a bad name
-        self.keep_norm_fp32 = keep_norm_fp32
-    _stateattrs = ('_pending',)
-    def _check(self):
-        if _find_cb(self.learn, ModelToHalf) is None:
-            raise ValueError("BatchNormToFloat keeps the norm layers of a half model in fp32, but there is no "
-                             "ModelToHalf on this Learner: use `learn.to_half()`.")
-    def before_fit(self):
-        if not _checked(self): return
-        keep = norm_classes(self.keep_norm_fp32)
-        _find_cb(self.learn, ModelToHalf).restore([t for m in self.learn.model.modules() if isinstance(m, keep) for t in module_tensors(m)])
-    def before_batch(self): _raise_pending(self)
-    def after_fit(self): self.__dict__.pop('_pending', None)
+__all__ = ['MixedPrecision']
 
 # %% ../nbs/02_callbacks.ipynb #623c694e
 def _check_setup(learn):

@@ -23,7 +23,7 @@ def fastai_precision(learn)->list:
 
 def _ours(learn)->list:
     "fastai_fp16's precision callbacks on `learn` (by module: this module cannot import them)"
-    return [cb for cb in learn.cbs if type(cb).__module__ in ('fastai_fp16.callbacks', 'fastai_fp16.learner')]
+    return [cb for cb in learn.cbs if type(cb).__module__ in ('fastai_fp16.half_model', 'fastai_fp16.callbacks', 'fastai_fp16.learner')]
 
 def _theirs(found:list)->str:
     made = sorted({_fastai_made[type(cb)] for cb in found})

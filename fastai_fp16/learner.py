@@ -14,6 +14,7 @@ from fastai.learner import Learner
 from torch import Tensor
 from fastai.callback.core import Callback
 from .core import half_dtype
+from .half_model import *
 from .callbacks import *
 from .conflicts import check_fastai_precision
 
