@@ -7,10 +7,12 @@ from .doctor import *
 from .guard import *
 from .conflicts import *
 from .half_model import *
+from .fused_adam import *
 from .callbacks import *
 from .learner import *
 from .data import *
 from .experiments import *
 from .monitor import *
+from .bench_overhead import *
 from .bench import *
 from .torch_optim import *

@@ -17,6 +17,7 @@ from .guard import BufferGuard
 from .half_model import *
 from .half_model import _find_cb, _checked, _raise_pending, _in_fit
 from .conflicts import check_fit_setup
+from .fused_adam import fastai_adam_kind, fused_adam_supported, use_fused_adam, unuse_fused_adam
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -34,6 +35,8 @@ def _check_setup(learn):
         raise ValueError("fastai_fp16's ModelToHalf makes the model half, but there is no fastai_fp16 MixedPrecision to cast the "
                          "inputs and handle the gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half("
                          "bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
+    if mp.fused_step and getattr(learn, 'opt', None) is not None:  # a fit: its optimizer exists
+        mp._fused_ok(learn.opt, next(iter(learn.model.parameters())).device)  # raises where True cannot be honoured
 
 # %% ../nbs/02_callbacks.ipynb #4e07e4b9
 class MixedPrecision(Callback):
@@ -41,7 +44,7 @@ class MixedPrecision(Callback):
     order = 10  # after GradientAccumulation (6), which cancels the steps it skips before we see them
     _off = False  # set by each `before_fit`: True when the run is plain fp32 and we stand aside
     flat_numel = 2**20  # elements per flat master at most: bounds the optimizer's temporaries (see below)
-    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard','_torch_zero')
+    _stateattrs = ('scales','_off','_mth','_groups','_masters','_old_lists','_zero','_sep','_aside','_drop','_fresh','_found_inf','_inv_scale','_loss_bad','_depth','_ready','_stepped','_pending','_guard','_torch_zero','_fused')
     def __init__(self,
         init_scale:float|None=None, # starting loss scale (the fixed scale when not `dynamic`); None: 2**16 for fp16, 1 for bf16
         dynamic:bool|None=None, # back off on overflow, grow after `growth_interval` clean steps; None: for fp16, not bf16
@@ -58,6 +61,7 @@ class MixedPrecision(Callback):
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
         keep_master_grads:bool|None=None, # keep the masters' fp32 grads between steps (default: on CPU, not on CUDA)
         guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
+        fused_step:bool|None=None, # step fastai's `Adam` on the masters in torch's fused kernel; None: where it can
     ):
         self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -65,7 +69,7 @@ class MixedPrecision(Callback):
         self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         if clip is not None and clip <= 0: raise ValueError(f"clip is a max gradient norm and must be > 0, got {clip}.")
         if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
-        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads,guard_buffers')
+        store_attr('master_weights,flat_master,clip,loss_fp32,keep_master_grads,guard_buffers,fused_step')
         self.skipped,self.scales = 0,L()
 
     def _make_scaler(self, dtype)->LossScaler:
@@ -105,8 +109,10 @@ class MixedPrecision(Callback):
 
     def _setup(self):
         "Masters for the trainable params, swapped into the optimizer with their state"
-        self._ready, self.skipped, self.scales = True, 0, L()
         opt, mth = self.learn.opt, self._mth
+        dev = next(iter(self.learn.model.parameters())).device
+        fused = self._fused_ok(opt, dev)  # before anything is swapped: a refusal leaves nothing to undo
+        self._ready, self.skipped, self.scales = True, 0, L()
         self._old_lists = opt.param_lists
         if self.master_weights: self._groups = swap_in_masters(opt, mth.fp32_value, mth.set_source, self.flat_master, self.flat_numel)
         else: self._groups = [([p for p in pg if p.requires_grad],)*2 for pg in opt.param_lists]  # it steps the half params
@@ -118,7 +124,8 @@ class MixedPrecision(Callback):
             self._zero, self._sep = [p for p,_ in sep], [m for _,m in sep]
         self._aside, self._fresh = [], True  # (model param, master, its grad) set aside from fastai's zero_grad between steps
         self._torch_zero = isinstance(opt, OptimWrapper)  # torch's zero_grad: a param without a grad is not stepped
-        dev = next(iter(self.learn.model.parameters())).device
+        self._fused = fused
+        if fused: use_fused_adam(opt)  # this optimizer instance, until `after_fit`
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
         keep = self.keep_master_grads
@@ -127,6 +134,21 @@ class MixedPrecision(Callback):
         self._inv_scale.fill_(1./self.loss_scale)
         g = self.guard_buffers
         self._guard = BufferGuard(self.learn.model, learn=g != 'all') if g else None
+
+    def _fused_ok(self, opt, dev)->bool:
+        "Whether this fit steps the masters in torch's fused Adam: asked for (True) or possible (None)"
+        if self.fused_step is False: return False
+        why = ("fp32 masters (`master_weights=True`)" if not self.master_weights else
+               "fastai's `Adam` (the Learner's default `opt_func`), as it comes" if fastai_adam_kind(opt) is None else
+               f"torch's fused Adam kernel on {dev.type}, which this torch lacks" if not fused_adam_supported(dev) else None)
+        if why and self.fused_step:
+            raise ValueError(f"fused_step=True needs {why}. Leave fused_step=None to step fused only where it can, or "
+                             "pass False; a torch optimizer through `OptimWrapper` takes its own `fused=True`.")
+        return why is None
+    @property
+    def fused(self)->bool:
+        "Whether this fit steps the masters in torch's fused Adam kernel"
+        return bool(getattr(self, '_fused', False))
 
     def before_batch(self):
         _raise_pending(self)
@@ -219,6 +241,7 @@ class MixedPrecision(Callback):
     def _fp16_cleanup(self):
         "The optimizer back on the model's own params with their state (fp32 again); run state dropped"
         opt = self.learn.opt if self.learn is not None else None
+        if getattr(self, '_fused', False) and opt is not None: unuse_fused_adam(opt)
         if getattr(self, '_ready', False) and opt is not None:
             swap_out_masters(opt, self._groups, self._old_lists, self.flat_master and self.master_weights)
         scales = getattr(self, 'scales', L())

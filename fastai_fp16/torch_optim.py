@@ -7,6 +7,7 @@ from __future__ import annotations
 import time, statistics
 import torch
 from fastai.optimizer import Adam
+from .fused_adam import use_fused_adam
 
 # %% auto #0
 __all__ = ['param_shapes', 'adam_variants', 'opt_step_times']
@@ -18,8 +19,9 @@ def param_shapes(arch:str='resnet50')->list:
     return [tuple(p.shape) for p in getattr(torchvision.models, arch)().parameters()]
 
 def adam_variants()->dict:
-    "fastai's `Adam` and torch's `AdamW` (for-loop, `foreach`, `fused`), with the same lr and decoupled weight decay"
+    "fastai's `Adam` (its own step, and fused as `to_half` steps it) and torch's `AdamW` (for-loop, `foreach`, `fused`)"
     return {'fastai Adam': lambda ps: Adam(ps, lr=1e-3, wd=0.01),
+            'fastai Adam, fused step': lambda ps: use_fused_adam(Adam(ps, lr=1e-3, wd=0.01)),
             'torch AdamW for-loop': lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=False),
             'torch AdamW foreach': lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
             'torch AdamW fused': lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True)}

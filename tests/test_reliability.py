@@ -109,6 +109,7 @@ def test_exception_mid_fit_leaves_learner_usable(flat):
     assert torch.equal(got, torch.cat([m.reshape(-1) for m in snap.masters]))  # the model holds the masters' values
     assert all(learn.opt.state[p].get('grad_avg') is not None for p in learn.model.parameters())
     assert not learn.model._state_dict_hooks
+    assert 'step' not in learn.opt.__dict__  # fastai's own step again, not the fit's fused one
     learn.remove_cb(Boom); _usable(learn)
 
 class MultiIO(nn.Module):
