@@ -69,9 +69,10 @@ def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params
     "Make `opt.step()` the fused step (this instance only); `opt` must be fastai's `Adam` over fp32 params"
     kind = fastai_adam_kind(opt)
     if kind is None: raise ValueError(f"The fused step is fastai's `Adam` only; this optimizer's steppers are "
-                                      f"{[getattr(f, '__name__', f) for f in getattr(opt, 'cbs', [])]}.")
+                                      f"{[getattr(f, '__name__', f) for f in getattr(opt, 'cbs', [])]}: keep its own `step`.")
     bad = {p.dtype for pg in opt.param_lists for p in pg if p.requires_grad and p.dtype != torch.float32}  # frozen: not stepped
-    if bad: raise ValueError(f"The fused step updates fp32 params (the masters), got {bad}.")
+    if bad: raise ValueError(f"The fused step updates fp32 params (the masters), got {bad}: step fp32 masters of them "
+                             "(`learn.to_half()` makes them) or keep the optimizer's own `step`.")
     def step(closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers do not support closure")
         fused_adam_step(opt, kind)
