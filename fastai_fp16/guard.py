@@ -23,21 +23,28 @@ class BufferGuard:
         for mn,m in model.named_modules():
             for n,b in m._buffers.items():
                 if b is not None and id(b) not in seen: seen.add(id(b)); self.keys.append((f"{mn}.{n}" if mn else n, m, n))
-        self.learning, self._cur, self._snaps, self._vers = learn, [], [], None
+        self.learning, self._cur, self._snaps, self._vers, self._groups = learn, [], [], None, []
 
     @property
     def names(self)->list: return [k for k,_,_ in self.keys]
 
+    def _regroup(self):
+        "(snapshots, buffers) of each dtype and device: torch's fused copy takes one dtype per call (else a copy per tensor)"
+        gs = {}
+        for s,c in zip(self._snaps, self._cur):
+            snaps, bufs = gs.setdefault((c.dtype, c.device), ([], [])); snaps.append(s); bufs.append(c)
+        self._groups = list(gs.values())
+
     def snapshot(self):
-        "Copy the guarded buffers into preallocated snapshots: one fused copy, no host sync"
+        "Copy the guarded buffers into preallocated snapshots: one fused copy per dtype, no host sync"
         cur = [m._buffers[n] for _,m,n in self.keys]
         if len(cur) != len(self._cur) or any(map(is_not, cur, self._cur)):  # first call, or buffers reassigned by a forward
             old = self._snaps if len(self._snaps) == len(cur) else [None]*len(cur)
             self._snaps = [s if s is not None and (s.shape, s.dtype, s.device) == (c.shape, c.dtype, c.device)
                            else torch.empty_like(c) for s,c in zip(old, cur)]
-            self._cur = cur
-        if cur:
-            with torch.no_grad(): torch._foreach_copy_(self._snaps, cur)
+            self._cur = cur; self._regroup()
+        with torch.no_grad():
+            for snaps,bufs in self._groups: torch._foreach_copy_(snaps, bufs)
         if self.learning: self._vers = [c._version for c in cur]
 
     def learn_mutated(self)->list:
@@ -52,12 +59,13 @@ class BufferGuard:
             for i,d in zip(rest, diff): moved[i] = d
         self.keys, self._cur, self._snaps = [[o for o,mv in zip(l, moved) if mv] for l in (self.keys, self._cur, self._snaps)]
         self.learning, self._vers = False, None
+        self._regroup()
         return self.names
 
     def restore(self):
-        "Put the guarded buffers back to the last snapshot: one fused copy, no host sync"
-        if not self._cur: return
-        with torch.no_grad(): torch._foreach_copy_(self._cur, self._snaps)
+        "Put the guarded buffers back to the last snapshot: one fused copy per dtype, no host sync"
+        with torch.no_grad():
+            for snaps,bufs in self._groups: torch._foreach_copy_(bufs, snaps)
         for (_,m,n),c in zip(self.keys, self._cur):
             if m._buffers[n] is not c: m._buffers[n] = c  # reassigned by the forward: the tensor it replaced is put back
 
