@@ -29,9 +29,9 @@ def fastai_adam_kind(opt, # an optimizer: a fastai `Optimizer`, an `OptimWrapper
 # %% ../nbs/09a_fused_adam.ipynb #5309c135
 @cache
 def _probe(dev_type:str)->bool:
-    t = [torch.zeros(1, device=dev_type) for _ in range(4)]
-    try: torch._fused_adamw_([t[0]], [t[1]], [t[2]], [t[3]], [], [torch.ones((), device=dev_type)], lr=0., beta1=.9,
-                             beta2=.99, weight_decay=0., eps=1e-5, amsgrad=False, maximize=False)
+    t, step = [torch.zeros(1, device=dev_type) for _ in range(4)], torch.ones((), dtype=torch.float32, device=dev_type)
+    try: torch._fused_adamw_([t[0]], [t[1]], [t[2]], [t[3]], [], [step], lr=0., beta1=.9, beta2=.99, weight_decay=0.,
+                             eps=1e-5, amsgrad=False, maximize=False)
     except (RuntimeError, NotImplementedError, AttributeError): return False
     return True
 
@@ -41,6 +41,10 @@ def fused_adam_supported(device, # a `torch.device` or its name
     return _probe(torch.device(device).type)
 
 # %% ../nbs/09a_fused_adam.ipynb #85aa2c7f
+def _like(t, p):
+    "`t` with the strides of `p`: the kernel walks every tensor of a param in one memory order"
+    return t if t.stride() == p.stride() else torch.empty_like(p).copy_(t)
+
 def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) over fp32 params
                     kind:str='adamw', # what `fastai_adam_kind(opt)` returned
                    ):
@@ -51,17 +55,20 @@ def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) ov
         for p in pg:
             if p.grad is None: continue  # as fastai's `all_params(with_grad=True)`
             st = opt.state[p]
-            for k in ('grad_avg', 'sqr_avg'):
-                if st.get(k) is None: st[k] = torch.zeros_like(p)
+            # a state saved in another memory format (resumed with channels_last): made like its param once, else the
+            # CUDA kernel refuses it and the CPU one misreads it
+            for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
             st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
             wd = float(hyper['wd']) if st.get('do_wd', True) else 0.
             buckets.setdefault((st['step'], wd, p.device), []).append((p, st))
         for (step, wd, dev), pss in buckets.items():
             ps, sts = [p for p,_ in pss], [s for _,s in pss]
             with torch.no_grad():
-                fused(ps, [p.grad for p in ps], [s['grad_avg'] for s in sts], [s['sqr_avg'] for s in sts], [],
-                      [torch.full((), float(step), device=dev)]*len(ps), lr=float(hyper['lr']), beta1=float(hyper['mom']),
-                      beta2=float(hyper['sqr_mom']), weight_decay=wd, eps=float(hyper['eps']), amsgrad=False, maximize=False)
+                fused(ps, [_like(p.grad, p) for p in ps], [s['grad_avg'] for s in sts], [s['sqr_avg'] for s in sts], [],
+                      # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
+                      [torch.full((), float(step), dtype=torch.float32, device=dev)]*len(ps), lr=float(hyper['lr']),
+                      beta1=float(hyper['mom']), beta2=float(hyper['sqr_mom']), weight_decay=wd, eps=float(hyper['eps']),
+                      amsgrad=False, maximize=False)
 
 # %% ../nbs/09a_fused_adam.ipynb #f4a5c16d
 def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params
