@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_hardware.ipynb #47ee1d85
 from __future__ import annotations
-import functools, os, platform
+import functools, inspect, os, platform
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fastcore.basics import store_attr
@@ -37,7 +37,7 @@ class Capabilities(_Record):
         isa_limit:str|None=None, # CPU: oneDNN's cap (`ONEDNN_MAX_CPU_ISA`), if set
         vector_isa:str='', # CPU: torch's vector ISA (`torch.backends.cpu.get_cpu_capability()`)
         cc:tuple|None=None, # CUDA: compute capability (major, minor)
-        cuda_bf16:bool|None=None, # CUDA: `torch.cuda.is_bf16_supported()`
+        cuda_bf16:bool|None=None, # CUDA: native bf16, as `torch.cuda.is_bf16_supported(including_emulation=False)` says
     ):
         store_attr(store_args=False); self.flags, self.cc = frozenset(flags), None if cc is None else tuple(cc)
 
@@ -98,12 +98,17 @@ def cpu_features()->tuple:
 
 _assumed = {}
 
+def _cuda_bf16(d:torch.device)->bool:
+    "Whether GPU `d` runs bf16 natively (`is_bf16_supported` asks the current GPU and counts emulation, unless told)"
+    f = torch.cuda.is_bf16_supported
+    kw = dict(including_emulation=False) if 'including_emulation' in inspect.signature(f).parameters else {}  # torch>=2.4
+    with torch.cuda.device(d): return f(**kw)
+
 @functools.lru_cache(maxsize=None)
 def _detect(device_type:str, index:int|None, isa_limit:str|None)->Capabilities:
     if device_type == 'cuda':
         d = torch.device('cuda', index if index is not None else torch.cuda.current_device())
-        return Capabilities('cuda', torch.cuda.get_device_name(d), cc=torch.cuda.get_device_capability(d),
-                            cuda_bf16=torch.cuda.is_bf16_supported())
+        return Capabilities('cuda', torch.cuda.get_device_name(d), cc=torch.cuda.get_device_capability(d), cuda_bf16=_cuda_bf16(d))
     if device_type != 'cpu': return Capabilities(device_type, device_type)
     name, flags = cpu_features()
     return Capabilities('cpu', name, flags, isa_limit, torch.backends.cpu.get_cpu_capability())
@@ -113,6 +118,7 @@ def detect(device=None, # a device (default: 'cuda' if available, else 'cpu')
     "The `Capabilities` of `device`, detected once (or as set by `assume_capabilities`)"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
     if device.type in _assumed: return _assumed[device.type]
+    if device.type == 'cuda' and device.index is None: device = torch.device('cuda', torch.cuda.current_device())  # cached per GPU
     isa = os.environ.get('ONEDNN_MAX_CPU_ISA') or os.environ.get('DNNL_MAX_CPU_ISA')
     return _detect(device.type, device.index, isa if device.type == 'cpu' else None)
 
