@@ -23,13 +23,14 @@ from .bench_overhead import *
 from .bench_overhead import _sync
 
 # %% auto #0
-__all__ = ['cpu_variants', 'cuda_variants', 'SynthDL', 'SkipValid', 'StepTimer', 'Autocast', 'run_variant', 'e2e_bench',
-           'machine_info', 'markdown_table', 'bench', 'bench_main']
+__all__ = ['cpu_variants', 'cuda_variants', 'SynthDL', 'SkipValid', 'StepTimer', 'Autocast', 'variant_label', 'run_variant',
+           'e2e_bench', 'machine_info', 'markdown_table', 'bench', 'bench_main']
 
 # %% ../nbs/20_bench.ipynb #40dc0a7c
 class SynthDL:
     "`n` batches cycled from the in-memory `batches` (tuples of tensors), as a fastai training `DataLoader`"
-    def __init__(self, batches:list, n:int): self.batches, self.n = batches, n
+    def __init__(self, batches:list, n:int): self.batches, self.n, self.device = batches, n, None
+    def to(self, device): self.device = device  # the batches are there already; fastai's callbacks ask `dls.device`
     def __len__(self): return self.n
     def __iter__(self): return (self.batches[i % len(self.batches)] for i in range(self.n))
 
@@ -62,12 +63,22 @@ class Autocast(Callback):
 
 # %% ../nbs/20_bench.ipynb #2856216d
 cpu_variants = ('fp32', 'autocast_bf16', 'ours_auto', 'ours_bf16', 'ours_bf16_unfused', 'ours_bf16_flat')
-cuda_variants = ('fp32', 'tf32', 'fastai_fp16', 'ours_fp16', 'ours_fp16_flat', 'ours_bf16')
+cuda_variants = ('fp32', 'tf32', 'fastai_fp16', 'fastai_nonnative_fp16', 'ours_fp16', 'ours_fp16_flat', 'ours_bf16')
+_labels = dict(tf32='TF32 matmuls and convolutions', autocast_bf16='autocast bf16', fastai_fp16='autocast fp16, fp32 weights',
+               fastai_nonnative_fp16='fp16 model, fp32 masters')
+
+def variant_label(kind:str, # a variant that does not use our `ModelToHalf` (ours say their plan's kernels)
+                  device, # where it runs
+                 )->str:
+    "What `kind` runs on `device`, for the table: fp32 on CUDA is strict (TF32 off: torch's default has cuDNN's on)"
+    if kind == 'fp32': return 'fp32, TF32 off' if torch.device(device).type == 'cuda' else 'fp32'
+    return _labels.get(kind, kind)
 
 def _variant_cbs(kind:str, device:torch.device)->list:
     if kind in ('fp32', 'tf32'): return []
     if kind == 'autocast_bf16': return [Autocast(device.type, torch.bfloat16)]
     if kind == 'fastai_fp16': return [fa16.MixedPrecision()]
+    if kind == 'fastai_nonnative_fp16': return [fa16.ModelToHalf(), fa16.NonNativeMixedPrecision()]
     dt, _, opt = kind.removeprefix('ours_').partition('_')  # ours_DTYPE[_flat|_native|_unfused]
     if kind.startswith('ours_') and dt in ('fp16', 'bf16', 'auto') and opt in ('', 'flat', 'native', 'unfused'):
         # as `to_half(dt)`: fp32 math where the dtype is slow here ('native': never); the scale follows the dtype
@@ -111,17 +122,18 @@ def run_variant(model:nn.Module, # model to copy (left untouched)
     "Median step time (ms), images/s and peak memory (MB) of `kind` training a copy of `model` with `Learner.fit`"
     device = torch.device(device)
     m = copy.deepcopy(model).to(device)
-    dls = DataLoaders(SynthDL(batches, warmup + steps), SynthDL([], 0), device=None)
+    dls = DataLoaders(SynthDL(batches, warmup + steps), SynthDL([], 0), device=device)
     cbs = [SkipValid(), StepTimer()] + ([ToChannelsLast()] if channels_last else []) + _variant_cbs(kind, device)
     learn = Learner(dls, m, loss_func=nn.CrossEntropyLoss(), cbs=cbs)
     before = _mem_start(device)
-    with _tf32(kind == 'tf32') if device.type == 'cuda' else nullcontext(), learn.no_bar(), learn.no_logging():
+    # fp32 and tf32 set TF32 for matmuls and cuDNN convolutions; the others run with torch's settings as found
+    with _tf32(kind == 'tf32') if device.type == 'cuda' and kind in ('fp32', 'tf32') else nullcontext(), learn.no_bar(), learn.no_logging():
         learn.fit(1, lr)
     peak = _mem_peak(device)
     ms = statistics.median(learn.step_timer.times[warmup:])
     cpu_ms = statistics.median(learn.step_timer.cpu_times[warmup:])
-    mth = getattr(learn, 'model_to_half', None)
-    kernels = mth.plan.kernels if mth is not None else 'autocast bf16' if kind == 'autocast_bf16' else kind
+    mth = next((cb for cb in learn.cbs if isinstance(cb, ModelToHalf)), None)  # ours (fastai's has the same name)
+    kernels = mth.plan.kernels if mth is not None else variant_label(kind, device)
     res = dict(kind=kind, kernels=kernels, channels_last=channels_last, step_ms=ms, cpu_ms=cpu_ms, images_per_s=batches[0][0].shape[0] * 1e3 / ms,
                peak_mb=peak, extra_mb=None if peak is None or before is None else peak - before,
                final_loss=float(learn.recorder.losses[-1]))
@@ -143,6 +155,9 @@ def _ratios(best:dict, device, fast_bf16:bool=True)->tuple:
              'ours_bf16/fastai_fp16 speed': sp('ours_bf16','fastai_fp16'), 'ours_fp16/fp32 speed': sp('ours_fp16','fp32'),
              'ours_fp16/tf32 speed': sp('ours_fp16','tf32'), 'ours_fp16_flat/ours_fp16 speed': sp('ours_fp16_flat','ours_fp16'),
              'ours_fp16_flat/ours_fp16 memory': mem('ours_fp16_flat','ours_fp16')}
+        if 'fastai_nonnative_fp16' in best:
+            r.update({'ours_fp16/fastai_nonnative_fp16 speed': sp('ours_fp16','fastai_nonnative_fp16'),
+                      'ours_fp16/fastai_nonnative_fp16 memory': mem('ours_fp16','fastai_nonnative_fp16')})
         t = {'ours_fp16/fastai_fp16 speed': ('>=', 1.0), 'ours_fp16/fastai_fp16 memory': ('<', 1.0)}
     else:
         r = {'ours_auto/fp32 speed': sp('ours_auto','fp32'), 'ours_bf16/fp32 speed': sp('ours_bf16','fp32'),
