@@ -190,6 +190,7 @@ def _median_run(rs:list)->dict:
 def e2e_bench(arch:str='resnet18', size:int=128, bs:int=32, steps:int=5, warmup:int=2, device='cpu',
               variants:tuple|None=None, layouts:tuple=(False, True), n_classes:int=10,
               rounds:int=1, # interleaved sweeps over all variants; figures and ratios are medians over sweeps
+              progress:bool=False, # print each fit's figures as it ends (a run stopped at a time limit still says some)
              )->dict:
     "Every variant in every layout through `Learner.fit`, from the same weights; best layout per variant, ratios"
     device = torch.device(device)
@@ -203,8 +204,12 @@ def e2e_bench(arch:str='resnet18', size:int=128, bs:int=32, steps:int=5, warmup:
                for _ in range(2)]
     # each sweep starts one variant later than the one before, so that no variant always runs first (or after the same one)
     rot = lambda i: variants[i % len(variants):] + variants[:i % len(variants)]
-    sweeps = [{(k, cl): run_variant(model, batches, k, cl, device, steps, warmup) for k in rot(i) for cl in layouts}
-              for i in range(rounds)]
+    def run(i, k, cl):
+        r = run_variant(model, batches, k, cl, device, steps, warmup)
+        if progress: print(f"sweep {i+1}/{rounds} {k} {'channels_last' if cl else 'NCHW'}: {r['step_ms']:.1f} ms/step, "
+                           f"{r['images_per_s']:.0f} images/s, peak {r['peak_mb'] or 0:.0f} MB", flush=True)
+        return r
+    sweeps = [{(k, cl): run(i, k, cl) for k in rot(i) for cl in layouts} for i in range(rounds)]
     runs = [_median_run([sw[k, cl] for sw in sweeps]) for k in variants for cl in layouts]
     best = {k: min((r for r in runs if r['kind'] == k), key=lambda r: r['step_ms']) for k in variants}
     res = dict(arch=arch, size=size, bs=bs, steps=steps, warmup=warmup, rounds=rounds, device=str(device), runs=runs, best=best,
@@ -279,7 +284,7 @@ def bench(device:str='cpu', # cpu or cuda
     if threads: torch.set_num_threads(threads)
     res = dict(machine=machine_info(device))
     if overhead: res['overhead'] = overhead_bench(overhead_arch, device=device, repeats=repeats)
-    if e2e: res['e2e'] = e2e_bench(arch, size, bs, steps, warmup, device, rounds=rounds)
+    if e2e: res['e2e'] = e2e_bench(arch, size, bs, steps, warmup, device, rounds=rounds, progress=True)
     print(markdown_table(res))
     if json:
         with open(json, 'w') as f: jsonlib.dump(res, f, indent=1)
