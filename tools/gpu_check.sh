@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared script, for a session that is lent a GPU machine (the `device` tool).
 #
-#   here:  bash tools/gpu_check.sh fetch    # wheels of what the GPU image lacks -> .whl/ (git-ignored via .git/info/exclude)
-#   there: device run, carry ['.whl'], timeout_s 560:  bash tools/gpu_check.sh run
+#   here:  bash tools/gpu_check.sh fetch    # wheels of what the GPU image lacks -> .whl/ (in .gitignore)
+#   there: device run, carry ['.whl'], timeout_s 400:  bash tools/gpu_check.sh run
 #
 # `run` installs the wheels (the machine has torch, torchvision, sklearn, pandas... but no fastai and cannot download),
-# runs the `#| cuda` cell of 03_learner through nbdev_test, the CUDA benchmark (fastai to_fp16 vs ours, list and flat
-# masters, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at most 8 files in $OUT.
-# Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
+# runs the `#| cuda` cells of 03_learner through nbdev_test, the CUDA benchmark (fastai to_fp16 and to_non_native_fp16
+# vs ours, list and flat masters, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at
+# most 8 files in $OUT. Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
+# Each stage has a time limit and all of them TOTAL seconds (360): a hang costs its stage, not the lease. The CPU dry
+# run below (2 shared vCPUs, limits x2) took: install 12 s, versions 4, nbdev_test 31, bench 89, compare 68; 204 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="apsw==3.54.1.0 apswutils==0.1.2 asttokens==3.0.1 astunparse==1.6.3 backcall==0.2.0 beartype==0.23.1
@@ -21,7 +23,6 @@ traitlets==5.15.0 truststore==0.10.5 uvicorn==0.54.0 watchdog==7.1.0 wcwidth==0.
 case "${1:-}" in
 fetch)
   mkdir -p .whl
-  grep -qs '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
   for w in $WHEELS; do  # the GPU image runs CPython 3.12 on x86-64
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -29,25 +30,41 @@ fetch)
   done
   du -sh .whl ;;
 run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
-  : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}"
-  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5 --rounds 3}" "${COMPARE:=}"
-  mkdir -p "$OUT"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
-  ff() { python3 -c 'import sys; from fastai_fp16.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
-  rc=0
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 -c 'import torch, fastai; print("torch", torch.__version__, "fastai", fastai.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())'
-    echo "== nbdev_test --flags cuda 03_learner"; nbdev_test --flags "$DEVICE" --path nbs/03_learner.ipynb; } 2>&1 | tee "$OUT/log.txt" || rc=1
-  echo "== bench" | tee -a "$OUT/log.txt"
-  ff bench --device "$DEVICE" $BENCH --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md" || rc=1
-  echo "== compare (digits)" | tee -a "$OUT/log.txt"
-  ff compare --device "$DEVICE" $COMPARE --out "$OUT/compare" 2>&1 | tee -a "$OUT/log.txt" || rc=1
+  : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}" "${SITE:=/tmp/site}" "${TOTAL:=360}" "${SLOW:=$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}"
+  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 12 --warmup 3 --rounds 3}" "${COMPARE:=}"
+  mkdir -p "$OUT"; : > "$OUT/log.txt"
+  export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
+  FF=(python3 -c 'import sys; from fastai_fp16.cli import main; sys.exit(main(sys.argv[1:]))')
+  rc=0 deadline=$((SECONDS + TOTAL)) times=""
+  stage() {  # stage NAME LIMIT_S FILE CMD...: CMD with its output in FILE, ended at LIMIT_S (x SLOW) or at the run's deadline
+    local name=$1 lim=$(($2 * SLOW)) file=$3 t0=$SECONDS left=$((deadline - SECONDS)); shift 3
+    ((lim > left)) && lim=$left
+    if ((lim < 5)); then echo "!! $name: not run, the run's ${TOTAL}s are spent" | tee -a "$OUT/log.txt"; rc=1; times+=" $name=skipped"; return; fi
+    echo "== $name (limit ${lim}s)" | tee -a "$OUT/log.txt"
+    timeout -k 5 "$lim" "$@" 2>&1 | tee -a "$file"; local s=${PIPESTATUS[0]}
+    ((s == 124 || s == 137)) && echo "!! $name: stopped at its ${lim}s limit" | tee -a "$OUT/log.txt"
+    echo "== $name: rc=$s, $((SECONDS - t0))s" | tee -a "$OUT/log.txt"; times+=" $name=$((SECONDS - t0))s"
+    ((s == 0)) || rc=1
+  }
+  # limits: what a stage should take on the GPU, with room (a CPU dry run gets SLOW=2 times them); TOTAL caps their sum,
+  # so that one run, with the machine's start, fits 7 minutes and leaves the lease room for a second
+  stage install 60 "$OUT/log.txt" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl
+  ((rc == 0)) || { echo "rc=1 (install failed)" | tee -a "$OUT/log.txt"; exit 1; }
+  stage versions 30 "$OUT/log.txt" bash -c '! command -v nvidia-smi >/dev/null || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, fastai; print(\"torch\", torch.__version__, \"fastai\", fastai.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"'
+  stage "nbdev_test --flags $DEVICE 03_learner" 120 "$OUT/log.txt" nbdev_test --flags "$DEVICE" --path nbs/03_learner.ipynb
+  stage bench 180 "$OUT/bench.md" "${FF[@]}" bench --device "$DEVICE" $BENCH --json "$OUT/bench.json"
+  stage "compare (digits)" 90 "$OUT/log.txt" "${FF[@]}" compare --device "$DEVICE" $COMPARE --out "$OUT/compare"
+  echo "stages:$times; total ${SECONDS}s" | tee -a "$OUT/log.txt"
   echo "rc=$rc" | tee -a "$OUT/log.txt"; exit $rc ;;
 *) echo "usage: bash tools/gpu_check.sh fetch|run"; exit 2 ;;
 esac
 
-# CPU dry run of `run` here, in a Python 3.12 venv that holds what the GPU image holds (torch, torchvision, numpy, pandas,
-# matplotlib, scikit-learn, scipy, pillow, requests, pyyaml, packaging, rich, typing-extensions, cloudpickle):
+# CPU dry run of `run` here, in a Python 3.12 venv that holds what the GPU image holds and nothing else (the image's list
+# is in the device tool's KINDS.md): torch==2.11.0 torchvision==0.26.0 numpy pandas matplotlib scikit-learn scipy pillow
+# requests pyyaml packaging rich typing-extensions cloudpickle six anyio httpx httpcore h11 idna certifi charset-normalizer
+# urllib3 jinja2 markupsafe python-dateutil pygments psutil tqdm click (and their dependencies, less tzdata: not there).
+# OUT and SITE (where the wheels go, default /tmp/site) can point elsewhere, so that two checkouts don't share them:
 #   PATH=/tmp/venv312/bin:$PATH DEVICE=cpu COMPARE="--epochs 1" BENCH="--arch resnet18 --size 32 --bs 4 --steps 1 \
 #     --warmup 1 --overhead_arch resnet18 --repeats 1" bash tools/gpu_check.sh run
