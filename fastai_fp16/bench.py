@@ -17,7 +17,7 @@ import fastai.callback.fp16 as fa16
 from .core import *
 from .core import half_dtype
 from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision
-from .learner import ToChannelsLast
+from fastai.callback.channelslast import ChannelsLast
 from .hardware import detect, half_support, precision_report
 from .bench_overhead import *
 from .bench_overhead import _sync
@@ -123,7 +123,7 @@ def run_variant(model:nn.Module, # model to copy (left untouched)
     device = torch.device(device)
     m = copy.deepcopy(model).to(device)
     dls = DataLoaders(SynthDL(batches, warmup + steps), SynthDL([], 0), device=device)
-    cbs = [SkipValid(), StepTimer()] + ([ToChannelsLast()] if channels_last else []) + _variant_cbs(kind, device)
+    cbs = [SkipValid(), StepTimer()] + ([ChannelsLast()] if channels_last else []) + _variant_cbs(kind, device)
     learn = Learner(dls, m, loss_func=nn.CrossEntropyLoss(), cbs=cbs)
     before = _mem_start(device)
     # fp32 and tf32 set TF32 for matmuls and cuDNN convolutions; the others run with torch's settings as found

@@ -225,13 +225,13 @@ def opt_state(opt)->dict:
     inner = getattr(opt, 'opt', None)
     return inner.state if isinstance(inner, torch.optim.Optimizer) else opt.state
 
-def swap_in_masters(opt, # a fastai `Optimizer` or `OptimWrapper`, whose groups' trainable params are replaced by their masters
+def swap_in_masters(opt, # a fastai `Optimizer` or `OptimWrapper`, whose groups' params are replaced by their masters
                     fp32_value, # function: model param -> its exact fp32 value
                     set_source=None, # called as `set_source(params, masters, keep)` for each set of masters made
                     flat_master:bool=False, # flat buffers (per group, per-param options and chunk) instead of one per param
                     flat_numel:int=2**20, # the most elements per flat buffer
                    )->list: # (model params, their masters) for each set
-    "Put fp32 masters in `opt` in place of its trainable params, with their state moved across as fp32"
+    "Put fp32 masters in `opt` in place of its params (flat: its trainable ones), with their state moved across as fp32"
     groups, new_lists, state = [], L(), opt_state(opt)
     for pg in opt.param_lists:
         params, frozen = [p for p in pg if p.requires_grad], [p for p in pg if not p.requires_grad]
@@ -243,12 +243,12 @@ def swap_in_masters(opt, # a fastai `Optimizer` or `OptimWrapper`, whose groups'
                 if set_source: set_source(part, flat._views, False)  # the flat copy replaces the kept fp32 data
                 groups.append((part, [flat])); flats.append(flat)
             new_lists.append(L(flats) + L(frozen))
-        else:
-            _, masters = prep_param_lists(params, False, [fp32_value(p) for p in params])
+        else:  # every param, frozen ones too: a GAN (or `unfreeze` mid-fit) makes them trainable later
+            params = list(pg)
+            masters = [_master(p, fp32_value(p)) for p in params]  # a frozen one is never stepped (no grad): costs nothing
             for p,m in zip(params, masters):
                 if m is not p: state[m] = cast_state(state.pop(p, {}), torch.float32)
-            it = iter(masters)
-            new_lists.append(type(pg)(next(it) if p.requires_grad else p for p in pg))  # a list for torch's param groups
+            new_lists.append(type(pg)(masters))  # a list for torch's param groups
             if set_source: set_source(params, masters, True)
             groups.append((params, masters))
     opt.param_lists = new_lists

@@ -16,7 +16,8 @@ from fastai.optimizer import SGD
 from fastai.torch_core import set_seed
 from fastai.callback.schedule import *  # fit_one_cycle
 import fastai.callback.fp16  # patches Learner.to_fp16 (for the fastai_native recipe)
-from .callbacks import ModelToHalf, MixedPrecision, _find_cb
+from .callbacks import ModelToHalf, MixedPrecision
+from .half_model import _find_cb
 from .scaler import LossScaleError
 from .hardware import _fp32_math_arg
 import fastai_fp16.learner  # patches Learner.to_half

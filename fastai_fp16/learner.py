@@ -4,37 +4,24 @@
 
 # %% ../nbs/03_learner.ipynb #f81242be
 from __future__ import annotations
-import functools, re
+import functools
 from contextlib import contextmanager
 import torch
 from fastcore.basics import patch
 from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
-from torch import Tensor
-from fastai.callback.core import Callback
+from fastai.callback.channelslast import ChannelsLast
 from .core import half_dtype
 from .half_model import *
 from .callbacks import *
 from .conflicts import check_fastai_precision
 
 # %% auto #0
-__all__ = ['ToChannelsLast']
-
-# %% ../nbs/03_learner.ipynb #8d760a16
-def _cl(x):
-    if isinstance(x, Tensor): return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 and x.is_floating_point() else x
-    if isinstance(x, (list, tuple)) and not hasattr(x, '_fields'): return type(x)(_cl(o) for o in x)
-    return x
-
-class ToChannelsLast(Callback):
-    "Model and 4-d input batches in `torch.channels_last` memory format for the fit"
-    order = ModelToHalf.order - 10  # before ModelToHalf: the fp32 values it keeps (our masters) are channels_last too
-    def before_fit(self): self.learn.model.to(memory_format=torch.channels_last)
-    def before_batch(self): self.learn.xb = _cl(self.xb)
+__all__ = []
 
 # %% ../nbs/03_learner.ipynb #7157cb82
-_fp16_cbs = (ToChannelsLast, ModelToHalf, BatchNormToFloat, MixedPrecision)
+_fp16_cbs = (ModelToHalf, BatchNormToFloat, MixedPrecision)
 
 @patch
 @delegates(MixedPrecision.__init__)
@@ -42,7 +29,7 @@ def to_half(self:Learner,
     dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto': what is fast here
     bn_fp32:bool=True, # keep BatchNorm layers in fp32
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
-    channels_last:bool=False, # conv nets: model and images in channels_last memory format (`ToChannelsLast`)
+    channels_last:bool=False, # conv nets: the model in channels_last memory format (fastai's `ChannelsLast`)
     fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math; 'auto': where `dtype` is slow here (CPU)
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
@@ -52,52 +39,18 @@ def to_half(self:Learner,
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
     dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
-    if dtype == torch.bfloat16: kwargs = {'init_scale': 1., 'dynamic': False, **kwargs}
-    cbs = ([ToChannelsLast()] if channels_last else []) + [ModelToHalf(dtype, fp32_math, keep_fp32)]
-    cbs += ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [MixedPrecision(**kwargs)]
+    mp = MixedPrecision(**kwargs)
+    if dtype != 'auto': mp._for_dtype(dtype)  # its loss scale reads right before the first fit
+    cbs = [ModelToHalf(dtype, fp32_math, keep_fp32)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
+    if channels_last and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):
+        cl = ChannelsLast(); cl._fp16_added = True  # ours to remove in `to_float`
+        cbs.insert(0, cl)
     return self.add_cbs(cbs)
 
 @patch
 def to_float(self:Learner)->Learner:
-    "Remove `to_half`'s callbacks: train in fp32 again"
-    return self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _fp16_cbs)])
-
-# %% ../nbs/03_learner.ipynb #183b7252
-def _cleanup_half(learn:Learner):
-    "Undo whatever a fit left, as `after_fit` would: every callback with an `_fp16_cleanup` runs it, in order"
-    for cb in learn.cbs.sorted('order'):
-        if hasattr(cb, '_fp16_cleanup'): cb._fp16_cleanup()
-
-_two_dtypes = re.compile(r"same dtype|should be the same|expected scalar type|mixed dtype")
-
-def _dtype_hint(learn:Learner, e:BaseException):
-    "Name the usual cause of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
-    dt = getattr(next((cb for cb in learn.cbs if isinstance(cb, ModelToHalf)), None), 'run_dtype', torch.float32)
-    if dt == torch.float32 or not isinstance(e, RuntimeError) or not _two_dtypes.search(str(e)): return
-    if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # a nested fit said it already
-    hint = (f"fastai_fp16: the model ran in {dt} (`to_half`) and this op got tensors of two dtypes. The usual cause is a "
-            "tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
-            "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
-            "device=x.device)`), or run that module in fp32 with `to_half(keep_fp32=['its.name'])`.")
-    if hasattr(e, 'add_note'): e.add_note(hint)
-    else: e.args = (f"{e.args[0] if e.args else ''}\n{hint}", *e.args[1:])  # Python 3.10: no notes
-
-def _guard_fit(fit):
-    @functools.wraps(fit)
-    def _fit(self, *args, **kwargs):
-        self._fp16_in_fit = getattr(self, '_fp16_in_fit', 0) + 1  # our callbacks raise misuse errors at `before_fit` in a fit
-        try: return fit(self, *args, **kwargs)
-        except BaseException as e:
-            _dtype_hint(self, e)  # while the fit's dtype is known
-            _cleanup_half(self)
-            raise
-        finally:
-            self._fp16_in_fit -= 1
-            if not self._fp16_in_fit: del self._fp16_in_fit
-    _fit._fp16 = True
-    return _fit
-
-if not getattr(Learner.fit, '_fp16', False): Learner.fit = _guard_fit(Learner.fit)
+    "Remove `to_half`'s callbacks (and the `ChannelsLast` it added): train in fp32 again"
+    return self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _fp16_cbs) or getattr(cb, '_fp16_added', False)])
 
 # %% ../nbs/03_learner.ipynb #98dc25ec
 def _mixed(learn): return next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)

@@ -4,6 +4,7 @@
 
 # %% ../nbs/01_scaler.ipynb #4a45fa6e
 from __future__ import annotations
+import math
 
 # %% auto #0
 __all__ = ['LossScaleError', 'LossScaler']
@@ -31,8 +32,8 @@ class LossScaler:
         def _chk(ok, msg):
             if not ok: raise ValueError(msg)
         _chk(0 < min_scale <= max_scale, f"Need 0 < min_scale <= max_scale, got min_scale={min_scale}, max_scale={max_scale}.")
-        _chk(init_scale > 0 and (not dynamic or min_scale <= init_scale <= max_scale),
-             f"init_scale={init_scale} must be positive and, with dynamic=True, within [min_scale, max_scale]=[{min_scale}, {max_scale}].")
+        _chk(0 < init_scale < math.inf and (not dynamic or min_scale <= init_scale <= max_scale),
+             f"init_scale={init_scale} must be finite and positive and, with dynamic=True, within [min_scale, max_scale]=[{min_scale}, {max_scale}].")
         _chk(growth_factor > 1, f"growth_factor must be > 1, got {growth_factor}.")
         _chk(0 < backoff_factor < 1, f"backoff_factor must be in (0, 1), got {backoff_factor}.")
         _chk(int(growth_interval) == growth_interval >= 1, f"growth_interval must be a positive integer, got {growth_interval}.")

@@ -1,4 +1,5 @@
-"Run with `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR`: 2 CPU processes (gloo), a NaN on rank 1 only."
+"""Run with `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR DTYPE`: 2 CPU processes (gloo), each rank seeded
+apart (DDP's broadcast of rank 0's weights is what makes ranks agree), a NaN on rank 1 only. DTYPE: fp16, bf16 or fp32."""
 import sys, torch, torch.nn as nn
 from pathlib import Path
 from fastai.learner import Learner
@@ -19,10 +20,12 @@ class NaNOnRank1(Callback):
     def before_batch(self):
         if self.training and self.iter == 2 and rank_distrib() == 1: self.learn.xb = (self.xb[0] * float('nan'),)
 
-out = Path(sys.argv[1])
-learn = Learner(synth_dls(n=128, bs=16), tiny_model(bn=False), loss_func=nn.MSELoss(), opt_func=Adam, cbs=NaNOnRank1())
-learn.to_half(init_scale=256., growth_interval=3)
+out, dtype = Path(sys.argv[1]), sys.argv[2]
+rank = int(__import__('os').environ['RANK'])
+learn = Learner(synth_dls(n=128, bs=16), tiny_model(seed=rank), loss_func=nn.MSELoss(), opt_func=Adam, cbs=NaNOnRank1())
+if dtype != 'fp32': learn.to_half(dtype, init_scale=256. if dtype == 'fp16' else 1., growth_interval=3)
 with learn.distrib_ctx(sync_bn=False): learn.fit(2, 1e-2)
-mp = learn.mixed_precision
-torch.save({'params': [p.detach() for p in learn.model.parameters()], 'scale': mp.loss_scale, 'skipped': mp.skipped,
-            'scales': list(mp.scales), 'dtypes': {p.dtype for p in learn.model.parameters()}}, out/f'rank{rank_distrib()}.pt')
+mp = getattr(learn, 'mixed_precision', None)
+torch.save({'params': [p.detach() for p in learn.model.parameters()], 'opt': [learn.opt.state[p].get('grad_avg') for p in learn.model.parameters()],
+            'scale': mp and mp.loss_scale, 'skipped': mp and mp.skipped, 'scales': mp and list(mp.scales),
+            'dtypes': {p.dtype for p in learn.model.parameters()}}, out/f'rank{rank_distrib()}.pt')

@@ -194,7 +194,7 @@ class _HeldBetweenSteps(Callback):
     order = 20
     def before_fit(self): self.held = []
     def before_backward(self):
-        if self.train_iter: self.held.append([g is not None for *_,g in self.learn.mixed_precision._aside])
+        if self.train_iter: self.held.append([g is not None for *_,g in self.learn.mixed_precision._run.aside])
 
 def test_dropped_master_grads_train_identically():
     "keep_master_grads=False (CUDA's default): no fp32 grad buffers in the backward pass, the same weights"
