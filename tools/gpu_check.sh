@@ -10,7 +10,7 @@
 # most 8 files in $OUT. Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
 # Each stage has a time limit and all of them TOTAL seconds (360): a hang costs its stage, not the lease. The CPU dry
 # run below (2 vCPUs shared with other work, limits x2) took 204 s in one run (install 12 s, versions 4, nbdev_test 31,
-# bench 89, compare 68) and 104 s in another (3, 9, 20, 43, 29).
+# bench 89, compare 68), 104 s in another (3, 9, 20, 43, 29) and 67 s on a quiet machine (4, 8, 16, 17, 22).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="apsw==3.54.1.0 apswutils==0.1.2 asttokens==3.0.1 astunparse==1.6.3 backcall==0.2.0 beartype==0.23.1
