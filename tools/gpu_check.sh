@@ -50,4 +50,4 @@ esac
 # CPU dry run of `run` here, in a Python 3.12 venv that holds what the GPU image holds (torch, torchvision, numpy, pandas,
 # matplotlib, scikit-learn, scipy, pillow, requests, pyyaml, packaging, rich, typing-extensions, cloudpickle):
 #   PATH=/tmp/venv312/bin:$PATH DEVICE=cpu COMPARE="--epochs 1" BENCH="--arch resnet18 --size 32 --bs 4 --steps 1 \
-#     --warmup 1 --overhead_arch resnet18 --repeats 1" bash tools/gpu_check.sh run
+#     --warmup 1 --overhead-arch resnet18 --repeats 1" bash tools/gpu_check.sh run
