@@ -4,11 +4,11 @@
 
 # %% ../nbs/20_bench.ipynb #e2efd276
 from __future__ import annotations
-import copy, ctypes, gc, json as jsonlib, operator, statistics, time
+import copy, ctypes, gc, json as jsonlib, operator, statistics, sys, time
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
-from fastcore.script import call_parse, anno_parser, bool_arg
+from fastcore.script import call_parse, bool_arg
 from fastai.callback.core import Callback, CancelValidException
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
@@ -291,7 +291,6 @@ def bench(device:str='cpu', # cpu or cuda
     return res
 
 def bench_main(argv:list|None=None)->dict:
-    "Run `bench` from command-line arguments `argv` (default `sys.argv[1:]`): a `bench` subcommand dispatches here"
-    args = vars(anno_parser(bench).parse_args(argv))
-    for k in ('pdb', 'xtra'): args.pop(k, None)
-    return bench(**args)
+    "Run `bench` from command-line arguments `argv` (default `sys.argv[1:]`), spelled as `fastai-fp16 bench` takes them"
+    from fastai_fp16.cli import cli_parser, dashed  # `cli` imports this module: imported when called
+    return bench(**vars(cli_parser(bench, prog='fastai-fp16 bench').parse_args(dashed(sys.argv[1:] if argv is None else argv))))

@@ -9,7 +9,8 @@ a module it does not use, re-executes nothing."""
 import ast, hashlib, json, os, re, sys, time
 from importlib.metadata import version
 from pathlib import Path
-from execnb.nbio import read_nb, mk_cell, _dict2obj
+try: from execnb.nbio import read_nb, mk_cell, _dict2obj
+except ImportError: from fastcore.nbio import read_nb, mk_cell, _dict2obj  # execnb 0.3 moved them to fastcore
 from execnb.shell import CaptureShell
 from nbdev.config import get_config
 from nbdev.process import Processor

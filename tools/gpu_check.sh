@@ -68,4 +68,4 @@ esac
 # urllib3 jinja2 markupsafe python-dateutil pygments psutil tqdm click (and their dependencies, less tzdata: not there).
 # OUT and SITE (where the wheels go, default /tmp/site) can point elsewhere, so that two checkouts don't share them:
 #   PATH=/tmp/venv312/bin:$PATH DEVICE=cpu COMPARE="--epochs 1" BENCH="--arch resnet18 --size 32 --bs 4 --steps 1 \
-#     --warmup 1 --overhead_arch resnet18 --repeats 1" bash tools/gpu_check.sh run
+#     --warmup 1 --overhead-arch resnet18 --repeats 1" bash tools/gpu_check.sh run

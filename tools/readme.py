@@ -4,7 +4,8 @@ Streams are shown as a terminal shows them (tools/term.py): a fit prints fastai'
 `python tools/readme.py --check` exits 1 if README.md is not what the notebook gives."""
 import sys, os
 from pathlib import Path
-from execnb.nbio import read_nb
+try: from execnb.nbio import read_nb
+except ImportError: from fastcore.nbio import read_nb  # execnb 0.3 moved it to fastcore
 from execnb.shell import CaptureShell
 from term import terminal_text
 
