@@ -22,8 +22,8 @@ def fastai_precision(learn)->list:
     return [cb for cb in learn.cbs if isinstance(cb, tuple(_fastai_made))]
 
 def _ours(learn)->list:
-    "fastai_fp16's precision callbacks on `learn` (by module: this module cannot import them)"
-    return [cb for cb in learn.cbs if type(cb).__module__ in ('fastai_fp16.half_model', 'fastai_fp16.callbacks', 'fastai_fp16.learner')]
+    "fastai_fp16's precision callbacks on `learn` (by their `_fp16_role`: this module cannot import them)"
+    return [cb for cb in learn.cbs if getattr(cb, '_fp16_role', None)]
 
 def _theirs(found:list)->str:
     made = sorted({_fastai_made[type(cb)] for cb in found})
