@@ -4,12 +4,14 @@
 
 # %% ../nbs/01a_half_model.ipynb #9bb21329
 from __future__ import annotations
-import functools, re, warnings
+import functools, re, sys, warnings
+from itertools import chain
 import torch, torch.nn as nn
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fastai.callback.core import Callback
 from fastai.learner import Learner
+from fastcore.xtras import ContextManagers
 from .core import *
 from .hardware import detect, plan_precision, _fp32_math_arg
 from .fp32math import patch_fp32_math, unpatch_fp32_math
@@ -72,17 +74,27 @@ def _cleanup_half(learn:Learner):
     for cb in learn.cbs.sorted('order'):
         if hasattr(cb, '_fp16_cleanup'): cb._fp16_cleanup()
 
-_two_dtypes = re.compile(r"same dtype|should be the same|expected scalar type|mixed dtype")
+_two_dtypes = re.compile(r"same dtype|should be the same|expected scalar type|mixed dtype|primitive descriptor for the (LSTM|GRU|RNN)")
+
+def _stateful(model:nn.Module)->bool:
+    "Whether `model` keeps a state between batches (an RNN, a `reset` method: fastai's `AWD_LSTM`)"
+    return any(isinstance(m, nn.RNNBase) or callable(getattr(m, 'reset', None)) for m in model.modules())
 
 def _dtype_hint(learn:Learner, e:BaseException):
-    "Name the usual cause of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
+    "Name the usual causes of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
     dt = getattr(next(iter(_role(learn, 'model')), None), 'run_dtype', torch.float32)
     if dt == torch.float32 or not isinstance(e, RuntimeError) or not _two_dtypes.search(str(e)): return
-    if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # a nested fit said it already
-    hint = (f"fastai_fp16: the model ran in {dt} (`to_half`) and this op got tensors of two dtypes. The usual cause is a "
-            "tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
+    if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # an inner call said it already
+    made = ("a tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
             "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
-            "device=x.device)`), or run that module in fp32 with `to_half(keep_fp32=['its.name'])`.")
+            "device=x.device)`), or run that module in fp32 with `to_half(keep_fp32=['its.name'])`")
+    kept = ("a state kept from before the fit: this model keeps one between batches (an RNN's hidden state, as fastai's "
+            "`AWD_LSTM`), made fp32 with the model. Reset it once the model is half: add fastai's `ModelResetter` callback "
+            "(`language_model_learner` and `text_classifier_learner` do), or call `model.reset()` at `before_train` and "
+            "`before_validate`")
+    m = getattr(learn, 'model', None)
+    causes = f"The likely cause is {kept}. Else, {made}." if m is not None and _stateful(m) else f"The usual cause is {made}."
+    hint = f"fastai_fp16: the model ran in {dt} (`to_half`) and this op got tensors of two dtypes. {causes}"
     if hasattr(e, 'add_note'): e.add_note(hint)
     else: e.args = (f"{e.args[0] if e.args else ''}\n{hint}", *e.args[1:])  # Python 3.10: no notes
 
@@ -101,7 +113,49 @@ def _guard_fit(fit):
     _fit._fp16 = True
     return _fit
 
-if not getattr(Learner.fit, '_fp16', False): Learner.fit = _guard_fit(Learner.fit)
+def _guard_enter(enter):
+    "`Learner.__enter__` (`validate`, `get_preds`, `summary`, `with learn:`): when a `before_fit` raises, fastai runs no `after_fit`"
+    @functools.wraps(enter)
+    def _enter(self):
+        ours = [cb for cb in self.cbs if hasattr(cb, '_fp16_cleanup')]
+        depths = [cb.__dict__.get('_depth', 0) for cb in ours]
+        try: return enter(self)
+        except BaseException:
+            if not any(depths): _cleanup_half(self)  # ours started here: the model back to its exact fp32 values
+            else:  # inside a fit (a callback's `get_preds`): take back only the depth this `before_fit` added
+                for cb,d in zip(ours, depths):
+                    if cb.__dict__.get('_depth', 0) > d: cb._depth = d
+            raise
+    _enter._fp16 = True
+    return _enter
+
+def _hinting(f):
+    "A validation loop (`validate`, `get_preds`, `tta`, `summary`...) whose two-dtypes error gets the hint, while the dtype is known"
+    @functools.wraps(f)
+    def _f(self, *args, **kwargs):
+        try: return f(self, *args, **kwargs)
+        except BaseException as e: _dtype_hint(self, e); raise
+    _f._fp16 = True
+    return _f
+
+class _Unwinding(ContextManagers):
+    "fastcore's `ContextManagers`, which also exits those it entered when a later one fails to enter"
+    def __enter__(self):
+        try: super().__enter__()
+        except BaseException:
+            if not self.stack.__exit__(*sys.exc_info()): raise
+
+def _unwinding(vc):
+    "`Learner.validation_context` whose failed entry gives back `learn.lock` and logging (fastai 2.8 keeps both: the next `validate` hangs)"
+    @functools.wraps(vc)
+    def _vc(self, *args, **kwargs):
+        cms = vc(self, *args, **kwargs)
+        return _Unwinding(cms.default) if type(cms) is ContextManagers else cms
+    _vc._fp16 = True
+    return _vc
+
+for _n,_w in (('fit', _guard_fit), ('__enter__', _guard_enter), ('_do_epoch_validate', _hinting), ('validation_context', _unwinding)):
+    if not getattr(getattr(Learner, _n), '_fp16', False): setattr(Learner, _n, _w(getattr(Learner, _n)))
 
 # %% ../nbs/01a_half_model.ipynb #69c26c39
 class ModelToHalf(Callback):
@@ -145,7 +199,10 @@ class ModelToHalf(Callback):
             t.grad = None
             t.data = t.data.to(self.run_dtype)
         half = self.run_dtype != torch.float32
-        self._undo = [model.register_state_dict_post_hook(lambda *a: self._fp32_state(*a)).remove]  # torch wants a function
+        # on every module that holds a converted tensor: a part's `state_dict()` (a GAN's generator, an encoder) is fp32 too
+        hook = lambda *a: self._fp32_state(*a)  # torch marks the hook it is given: a function, not a bound method
+        self._undo = [m.register_state_dict_post_hook(hook).remove for m in model.modules()
+                      if any(id(t) in self._stash for t in module_tensors(m))]
         if plan.fp32_math and half: self._undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
         if half: self._undo += [h.remove for h in run_fp32(mods, self.run_dtype)]
         if fit: self.plan = plan; self._tell(plan)
@@ -210,9 +267,9 @@ class ModelToHalf(Callback):
             if t_orig is not None: t.grad = None; t.data = t_orig[1]
 
     def _fp32_state(self, module, sd, prefix, meta):
-        "State-dict hook: checkpoints taken during the fit hold fp32 values"
-        for n,t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-            if prefix+n in sd and id(t) in self._stash: sd[prefix+n] = self.fp32_value(t)
+        "State-dict hook of each module: its own converted tensors' entries hold their fp32 values (torch calls it for each part)"
+        for n,t in chain(module._parameters.items(), module._buffers.items()):
+            if t is not None and prefix+n in sd and id(t) in self._stash: sd[prefix+n] = self.fp32_value(t)
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1

@@ -52,6 +52,19 @@ def to_float(self:Learner)->Learner:
     "Remove `to_half`'s callbacks (and the `ChannelsLast` it added): train in fp32 again"
     return self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _fp16_cbs) or getattr(cb, '_fp16_added', False)])
 
+# %% ../nbs/03_learner.ipynb #7d2e41a1
+def _to_fp32_too(to32):
+    "fastai's `to_fp32`/`to_non_native_fp32`, which also remove `to_half()`'s callbacks: fp32 training, as they say"
+    @functools.wraps(to32)
+    def _f(self, *args, **kwargs):
+        res = to32(self, *args, **kwargs)  # fastai's own callbacks (a no-op with ours alone)
+        return self.to_float() if any(isinstance(cb, _fp16_cbs) for cb in self.cbs) else res
+    _f._fp16 = True
+    return _f
+
+for _n in ('to_fp32', 'to_non_native_fp32'):
+    if not getattr(getattr(Learner, _n), '_fp16', False): setattr(Learner, _n, _to_fp32_too(getattr(Learner, _n)))
+
 # %% ../nbs/03_learner.ipynb #98dc25ec
 def _mixed(learn): return next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
 
