@@ -9,12 +9,14 @@ import torch, torch.nn as nn
 from .hardware import *
 from .core import convert_network
 from .fp32math import patch_fp32_math
+from .layout import prefers_channels_last
 
 # %% auto #0
 __all__ = ['layer_variants', 'layer_bench', 'doctor']
 
 # %% ../nbs/06_doctor.ipynb #88ca72eb
 layer_variants = ('fp32', 'bf16', 'fp16', 'bf16 storage, fp32 math', 'fp16 storage, fp32 math')
+_fmt = {False: 'NCHW', True: 'NHWC'}
 
 def _layer_step(conv:nn.Module, x:torch.Tensor, device):
     def step():
@@ -27,49 +29,60 @@ def layer_bench(channels:int=32, # input and output channels
                 size:int=32, # height and width of the input
                 bs:int=8, # batch size
                 device=None, # default: 'cuda' if available, else 'cpu'
-                channels_last:bool=False, # input and weight in channels_last memory format
-                reps:int=15, # timings per variant (at most), interleaved
-                budget:float=2., # seconds per variant (at most, after its first, untimed, run)
+                layouts:tuple=(False, True), # memory formats to time: False NCHW, True channels_last (NHWC)
+                reps:int=15, # timings per variant and layout (at most), interleaved
+                budget:float=2., # seconds per variant and layout (at most, after its first, untimed, run)
                 variants:tuple=layer_variants, # the paths to time (see `layer_variants`)
-               )->dict: # variant -> median ms of forward + backward
-    "Median ms of one 3x3 convolution's forward and backward in fp32, native half, and half with fp32 math"
+               )->dict: # variant -> {'NCHW': median ms, 'NHWC': median ms} of forward + backward
+    "Median ms of one 3x3 convolution's forward and backward in fp32, native half and half with fp32 math, in each memory format"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
     torch.manual_seed(0)
     base, x0 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), torch.randn(bs, channels, size, size)
-    mf = torch.channels_last if channels_last else torch.contiguous_format
     steps = {}
     for v in variants:
-        dt = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[v.split()[0]]
-        conv = convert_network(nn.Conv2d(channels, channels, 3, padding=1, bias=False), dt).to(device, memory_format=mf)
-        with torch.no_grad(): conv.weight.copy_(base.weight)
-        if 'fp32 math' in v: patch_fp32_math(conv)
-        steps[v] = _layer_step(conv, x0.to(device, dt).contiguous(memory_format=mf).requires_grad_(), device)
-        steps[v]()  # warm-up: oneDNN builds its kernels
-    ts, spent = {v: [] for v in variants}, dict.fromkeys(variants, 0.)
-    while True:  # round robin, so that a slow spell of the machine hits every variant alike
-        todo = [v for v in variants if len(ts[v]) < reps and (not ts[v] or spent[v] < budget)]
+        for cl in layouts:
+            mf = torch.channels_last if cl else torch.contiguous_format
+            dt = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[v.split()[0]]
+            conv = convert_network(nn.Conv2d(channels, channels, 3, padding=1, bias=False), dt).to(device, memory_format=mf)
+            with torch.no_grad(): conv.weight.copy_(base.weight)
+            if 'fp32 math' in v: patch_fp32_math(conv)
+            steps[v, cl] = _layer_step(conv, x0.to(device, dt).contiguous(memory_format=mf).requires_grad_(), device)
+            steps[v, cl]()  # warm-up: oneDNN builds its kernels
+    ts, spent = {k: [] for k in steps}, dict.fromkeys(steps, 0.)
+    while True:  # round robin, so that a slow spell of the machine hits every variant and layout alike
+        todo = [k for k in steps if len(ts[k]) < reps and (not ts[k] or spent[k] < budget)]
         if not todo: break
-        for v in todo:
-            t = time.perf_counter(); steps[v](); dt = time.perf_counter() - t
-            ts[v].append(dt * 1e3); spent[v] += dt
-    res = {v: statistics.median(t) for v,t in ts.items()}
-    return res
+        for k in todo:
+            t = time.perf_counter(); steps[k](); dt = time.perf_counter() - t
+            ts[k].append(dt * 1e3); spent[k] += dt
+    return {v: {_fmt[cl]: statistics.median(ts[v, cl]) for cl in layouts} for v in variants}
 
 # %% ../nbs/06_doctor.ipynb #a943569c
 def _agree(report:PrecisionReport, ms:dict)->str|None:
-    "A note when the measured bf16 speed contradicts the flags"
+    "A note when the measured bf16 speed contradicts the flags (NCHW figures)"
     if 'bf16' not in ms or 'fp32' not in ms: return None
-    fast, r = report.support['bf16'][0], ms['bf16'] / ms['fp32']
+    fast, r = report.support['bf16'][0], ms['bf16']['NCHW'] / ms['fp32']['NCHW']
     if fast and r > 1: return f"note: bf16 is said to be fast here but measured {r:.1f}x fp32's time: prefer learn.to_half('bf16', fp32_math=True) or fp32."
     if not fast and r < 0.8: return f"note: bf16 measured {1/r:.1f}x faster than fp32 although the flags say no fast kernels: try learn.to_half('bf16', fp32_math=False)."
     return None
 
+def _layouts(report:PrecisionReport, ms:dict|None)->list:
+    "What `to_half('auto')` picks for a dense and a depthwise conv net, and a note where one layer measured it much slower"
+    p, out = report.plan, []
+    for kind in ('dense', 'depthwise'):
+        cl, why = prefers_channels_last(report.caps, p, kind)
+        out.append(f"  auto, {kind} conv nets: {'channels_last' if cl else 'NCHW'} ({why})")
+    t = (ms or {}).get(p.kernels)
+    if t and 'NCHW' in t and 'NHWC' in t and prefers_channels_last(report.caps, p, 'dense')[0] and t['NHWC'] > 1.25 * t['NCHW']:
+        out.append(f"note: one {p.kernels} layer measured {t['NHWC']/t['NCHW']:.1f}x slower NHWC here: if training is too, "
+                   "pass learn.to_half('auto', channels_last=False).")
+    return out
+
 def doctor(device=None, # default: 'cuda' if available, else 'cpu'
            bench:bool=True, # run the micro-benchmark
-           channels_last:bool=False, # micro-benchmark in channels_last memory format
            **kwargs # more `layer_bench` arguments
           )->dict: # the report, and the timings if measured
-    "Print what this machine offers for half precision, measured, and the `to_half` call to use"
+    "Print what this machine offers for half precision, measured in both memory formats, and the `to_half` call to use"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
     rep = precision_report(device)
     cuda = [f"{i}: {torch.cuda.get_device_name(i)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
@@ -77,15 +90,19 @@ def doctor(device=None, # default: 'cuda' if available, else 'cpu'
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; CUDA devices: {'; '.join(cuda) or 'none'}")
     if device.type == 'cuda': print(f"CPU: {detect('cpu').name} ({detect('cpu').cpu_class})")
     print(rep.describe(call=False))
-    res = dict(report=rep)
+    res, ms = dict(report=rep), None
     if bench:
-        ms = res['ms'] = layer_bench(device=device, channels_last=channels_last, **kwargs)
+        ms = res['ms'] = layer_bench(device=device, **kwargs)
         c, s, b = kwargs.get('channels', 32), kwargs.get('size', 32), kwargs.get('bs', 8)
-        print(f"\nOne Conv2d({c}, {c}, 3) forward+backward, input {b}x{c}x{s}x{s}"
-              f"{' channels_last' if channels_last else ''}, on {device.type} (median ms):")
+        ref = ms['fp32'].get('NCHW') or next(iter(ms['fp32'].values()))
+        print(f"\nOne Conv2d({c}, {c}, 3) forward+backward, input {b}x{c}x{s}x{s}, on {device.type} (median ms; x: fp32 NCHW's time):")
         w = max(map(len, ms))
-        for v,t in ms.items(): print(f"  {v:<{w}}  {t:9.2f} ms  {t/ms['fp32']:6.2f}x fp32's time")
+        for v,t in ms.items():
+            cols = '   '.join(f"{f} {m:8.2f} ms {m/ref:6.2f}x" for f,m in t.items())
+            ratio = f"   NCHW/NHWC {t['NCHW']/t['NHWC']:.2f}" if len(t) == 2 else ''
+            print(f"  {v:<{w}}  {cols}{ratio}")
         note = _agree(rep, ms)
         if note: print(note)
+    print('\n' + '\n'.join(_layouts(rep, ms)))
     print(f"\nRecommended: {rep.call}")
     return res

@@ -20,6 +20,7 @@ from .callbacks import ModelToHalf, MixedPrecision
 from .half_model import _find_cb
 from .scaler import LossScaleError
 from .hardware import _fp32_math_arg
+from .memory import PeakMemory
 import fastai_fp16.learner  # patches Learner.to_half
 
 # %% auto #0
@@ -155,10 +156,8 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     if mth is not None: mth.fp32_math, mth._announced = _fp32_math_arg(fp32_math), True  # the table says what ran
     spy = _NativeSpy() if name == 'fastai_native' else None
     if spy: learn.add_cb(spy)
-    cuda = _dev(dls).type == 'cuda'
-    if cuda: torch.cuda.reset_peak_memory_stats()
     err, t = '', time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), PeakMemory(_dev(dls)) as mem:
         ctx = (learn.no_bar(), learn.no_logging()) if not show else () if bar else (learn.no_bar(),)
         if show and not bar: learn.logger = _TableLog(learn)
         try:
@@ -177,7 +176,7 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     row = dict(recipe=name, train_loss=vals[0], valid_loss=vals[1], accuracy=vals[2], epoch_s=dt/max(len(rec.values),1),
                skipped=mp.skipped if mp else spy.skipped if spy else 0,
                loss_scale=mp.loss_scale if mp else scales[-1] if scales else np.nan, diverged=diverged,
-               peak_mem_mb=torch.cuda.max_memory_allocated()/2**20 if cuda else np.nan,
+               peak_mem_mb=np.nan if mem.extra is None else mem.extra,  # what the fit added at its peak
                kernels=mth.plan.kernels if mth and mth.plan else 'autocast fp16' if spy else 'fp32', error=err)
     return row, learn, losses, scales
 
@@ -209,6 +208,7 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
         row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, fp32_math, show, bar)
         rows.append(row)
     res = pd.DataFrame(rows).set_index('recipe')
+    if res.peak_mem_mb.isna().all(): res = res.drop(columns='peak_mem_mb')  # not measured here (no CUDA, no Linux /proc)
     res.attrs.update(losses=losses, scales=scales, bs=bs, epochs=epochs)
     return res
 

@@ -14,6 +14,7 @@ from fastai.learner import Learner
 from fastcore.xtras import ContextManagers
 from .core import *
 from .hardware import detect, plan_precision, _fp32_math_arg
+from .layout import plan_fit, layout_asked
 from .fp32math import patch_fp32_math, unpatch_fp32_math
 from .guard import kept_fp32, run_fp32
 from .conflicts import check_fit_setup
@@ -188,7 +189,7 @@ class ModelToHalf(Callback):
         model, fit = self.learn.model, _in_fit(self.learn)
         ts = float_tensors(model)
         self._upcast([t for t in ts if t.dtype in (torch.float16, torch.bfloat16)])
-        plan = plan_precision(detect(_model_device(model)), self.dtype, self.fp32_math)
+        plan = plan_fit(detect(_model_device(model)), self.dtype, self.fp32_math, model, layout_asked(self.learn))
         # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
         self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
         # keep each tensor's own fp32 data: the fit's masters and the exact values restored after it
@@ -205,7 +206,7 @@ class ModelToHalf(Callback):
                       if any(id(t) in self._stash for t in module_tensors(m))]
         if plan.fp32_math and half: self._undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
         if half: self._undo += [h.remove for h in run_fp32(mods, self.run_dtype)]
-        if fit: self.plan = plan; self._tell(plan)
+        if fit: self.plan = plan; self._tell(plan, layout_asked(self.learn) is None)
 
     def before_train(self): self._sync_ranks()
     def before_validate(self): self._sync_ranks()
@@ -233,11 +234,12 @@ class ModelToHalf(Callback):
                       "`model.half()`): ModelToHalf made it fp32 first (exactly), so that the masters and BatchNorm are fp32 "
                       "and the model is fp32 after each fit. Give `to_half()` the fp32 model; it converts for the fit.", stacklevel=3)
 
-    def _tell(self, plan):
-        "Warn once when the plan is slow; say once per Learner what 'auto' chose, or that fp32 math stands in"
+    def _tell(self, plan, auto_layout:bool=False):
+        "Warn once when the plan is slow; say once per Learner what 'auto' chose, that fp32 math stands in, or channels_last"
         if plan.warning and plan.warning not in ModelToHalf._warned:
             ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
-        if self._announced or not (plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto')): return
+        chose = plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto') or (auto_layout and plan.channels_last)
+        if self._announced or not chose: return
         self._announced = True
         # silent under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics')
         if getattr(getattr(self.learn, 'logger', print), '__name__', '') != 'noop': print(plan.describe())

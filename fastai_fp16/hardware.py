@@ -166,6 +166,8 @@ class PrecisionPlan(_Record):
         reason:str, # why, in a few words
         device:str='cpu', # the device type
         warning:str|None=None, # set when the plan is slow: what to do instead
+        channels_last:bool|None=None, # the fit's memory format: channels_last (True), NCHW (False), not planned (None)
+        layout:str='', # why that memory format (`plan_fit`)
     ): store_attr(store_args=False)
     @property
     def kernels(self)->str:
@@ -174,7 +176,8 @@ class PrecisionPlan(_Record):
         return f"{n} storage, fp32 math" if self.fp32_math and n != 'fp32' else n
     def describe(self)->str:
         "One line: what runs and why"
-        return f"to_half({self.requested!r}) on {self.device}: {self.kernels} ({self.reason})"
+        fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({self.layout})"
+        return f"to_half({self.requested!r}) on {self.device}: {self.kernels} ({self.reason}){fmt}"
 
 def _fp32_math_arg(fp32_math):
     if fp32_math not in ('auto', True, False):

@@ -12,6 +12,7 @@ from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
 from fastai.callback.channelslast import ChannelsLast
+from .layout import AutoChannelsLast
 from .core import half_dtype
 from .half_model import *
 from .callbacks import *
@@ -29,7 +30,7 @@ def to_half(self:Learner,
     dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto': what is fast here
     bn_fp32:bool=True, # keep BatchNorm layers in fp32
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
-    channels_last:bool=False, # conv nets: the model in channels_last memory format (fastai's `ChannelsLast`)
+    channels_last:bool|None=None, # conv nets in channels_last (fastai's `ChannelsLast`): True, False, or None: where faster
     fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math; 'auto': where `dtype` is slow here (CPU)
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
@@ -42,8 +43,9 @@ def to_half(self:Learner,
     mp = MixedPrecision(**kwargs)
     if dtype != 'auto': mp._for_dtype(dtype)  # its loss scale reads right before the first fit
     cbs = [ModelToHalf(dtype, fp32_math, keep_fp32)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
-    if channels_last and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):
-        cl = ChannelsLast(); cl._fp16_added = True  # ours to remove in `to_float`
+    if channels_last is not False and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):  # the user's is kept
+        cl = ChannelsLast() if channels_last else AutoChannelsLast()  # None: where the fit's plan prefers it
+        cl._fp16_added = True  # ours to remove in `to_float`
         cbs.insert(0, cl)
     return self.add_cbs(cbs)
 
