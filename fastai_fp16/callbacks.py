@@ -17,7 +17,7 @@ from .scaler import *
 from .guard import BufferGuard
 from .half_model import *
 from .half_model import _role, _check_setup, _checked, _raise_pending, _in_fit, _model_device
-from .fused_adam import fastai_adam_kind, fused_adam_supported, use_fused_adam, unuse_fused_adam
+from .fused_adam import fused_adam_target, fused_adam_supported, use_fused_adam, unuse_fused_adam
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -148,7 +148,7 @@ class MixedPrecision(Callback):
         r.aside = []  # (model param, master, its grad) set aside from fastai's zero_grad between steps
         r.torch_zero = isinstance(opt, OptimWrapper)  # torch's zero_grad: a param without a grad is not stepped
         r.fused = fused
-        if fused: use_fused_adam(opt)  # this optimizer instance, until `after_fit`
+        if fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
         keep = self.keep_master_grads
@@ -165,7 +165,8 @@ class MixedPrecision(Callback):
         "Whether this fit steps the masters in torch's fused Adam: asked for (True) or possible (None)"
         if self.fused_step is False: return False
         why = ("fp32 masters (`master_weights=True`)" if not self.master_weights else
-               "fastai's `Adam` (the Learner's default `opt_func`), as it comes" if fastai_adam_kind(opt) is None else
+               "fastai's `Adam` (the Learner's default `opt_func`), as it comes or inside a wrapper such as `Lookahead`"
+               if fused_adam_target(opt) is None else
                f"torch's fused Adam kernel on {dev.type}, which this torch lacks" if not fused_adam_supported(dev) else None)
         if why and self.fused_step:
             raise ValueError(f"fused_step=True needs {why}. Leave fused_step=None to step fused only where it can, or "
