@@ -95,9 +95,16 @@ class MixedPrecision(Callback):
     @property
     def loss_scale(self)->float: return self.scaler.scale
     def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype)}
+    def _checked_state(self, sd:dict)->tuple:
+        "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
+        dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16)}, sd.get('dtype') if isinstance(sd, dict) else None
+        if dt is not None and dt not in dts: raise ValueError(f"mixed-precision state: 'dtype' must be one of {list(dts)} (the "
+            f"half dtype of the run it is from), got {dt!r}. Load what `MixedPrecision.state_dict()` returned.")
+        return self.scaler._checked_state(sd['scaler'] if isinstance(sd, dict) and 'scaler' in sd else sd), dts.get(dt, self._scaler_dtype)
     def load_state_dict(self, sd:dict):
-        self.scaler.load_state_dict(sd['scaler'] if 'scaler' in sd else sd)
-        self._scaler_dtype = {str(d): d for d in (torch.float16, torch.bfloat16)}.get(sd.get('dtype'), self._scaler_dtype)
+        "Restore what `state_dict` returned (or a bare `LossScaler` state); a refused one leaves this as it was"
+        st, dt = self._checked_state(sd)
+        self.scaler.load_state_dict(st); self._scaler_dtype = dt
     @property
     def active(self)->bool: return getattr(self._run, 'ready', False)
 
