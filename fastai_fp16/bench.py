@@ -21,6 +21,7 @@ from fastai.callback.channelslast import ChannelsLast
 from .hardware import detect, half_support, precision_report
 from .bench_overhead import *
 from .bench_overhead import _sync
+from .cli_parser import cli_parser, dashed
 
 # %% auto #0
 __all__ = ['cpu_variants', 'cuda_variants', 'SynthDL', 'SkipValid', 'StepTimer', 'Autocast', 'variant_label', 'run_variant',
@@ -292,5 +293,4 @@ def bench(device:str='cpu', # cpu or cuda
 
 def bench_main(argv:list|None=None)->dict:
     "Run `bench` from command-line arguments `argv` (default `sys.argv[1:]`), spelled as `fastai-fp16 bench` takes them"
-    from fastai_fp16.cli import cli_parser, dashed  # `cli` imports this module: imported when called
     return bench(**vars(cli_parser(bench, prog='fastai-fp16 bench').parse_args(dashed(sys.argv[1:] if argv is None else argv))))

@@ -17,7 +17,7 @@ from .scaler import *
 from .guard import BufferGuard
 from .half_model import *
 from .half_model import _role, _check_setup, _checked, _raise_pending, _in_fit, _model_device
-from .fused_adam import fastai_adam_kind, fused_adam_supported, use_fused_adam, unuse_fused_adam
+from .fused_adam import fused_adam_target, fused_adam_supported, use_fused_adam, unuse_fused_adam
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -95,9 +95,16 @@ class MixedPrecision(Callback):
     @property
     def loss_scale(self)->float: return self.scaler.scale
     def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype)}
+    def _checked_state(self, sd:dict)->tuple:
+        "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
+        dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16)}, sd.get('dtype') if isinstance(sd, dict) else None
+        if dt is not None and dt not in dts: raise ValueError(f"mixed-precision state: 'dtype' must be one of {list(dts)} (the "
+            f"half dtype of the run it is from), got {dt!r}. Load what `MixedPrecision.state_dict()` returned.")
+        return self.scaler._checked_state(sd['scaler'] if isinstance(sd, dict) and 'scaler' in sd else sd), dts.get(dt, self._scaler_dtype)
     def load_state_dict(self, sd:dict):
-        self.scaler.load_state_dict(sd['scaler'] if 'scaler' in sd else sd)
-        self._scaler_dtype = {str(d): d for d in (torch.float16, torch.bfloat16)}.get(sd.get('dtype'), self._scaler_dtype)
+        "Restore what `state_dict` returned (or a bare `LossScaler` state); a refused one leaves this as it was"
+        st, dt = self._checked_state(sd)
+        self.scaler.load_state_dict(st); self._scaler_dtype = dt
     @property
     def active(self)->bool: return getattr(self._run, 'ready', False)
 
@@ -148,7 +155,7 @@ class MixedPrecision(Callback):
         r.aside = []  # (model param, master, its grad) set aside from fastai's zero_grad between steps
         r.torch_zero = isinstance(opt, OptimWrapper)  # torch's zero_grad: a param without a grad is not stepped
         r.fused = fused
-        if fused: use_fused_adam(opt)  # this optimizer instance, until `after_fit`
+        if fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
         # without its grad buffers between steps a (per-param) master's fp32 grads are out of the backward pass's peak
         # memory; CUDA's caching allocator hands the same blocks back each step, on CPU fresh ones cost time
         keep = self.keep_master_grads
@@ -165,7 +172,8 @@ class MixedPrecision(Callback):
         "Whether this fit steps the masters in torch's fused Adam: asked for (True) or possible (None)"
         if self.fused_step is False: return False
         why = ("fp32 masters (`master_weights=True`)" if not self.master_weights else
-               "fastai's `Adam` (the Learner's default `opt_func`), as it comes" if fastai_adam_kind(opt) is None else
+               "fastai's `Adam` (the Learner's default `opt_func`), as it comes or inside a wrapper such as `Lookahead`"
+               if fused_adam_target(opt) is None else
                f"torch's fused Adam kernel on {dev.type}, which this torch lacks" if not fused_adam_supported(dev) else None)
         if why and self.fused_step:
             raise ValueError(f"fused_step=True needs {why}. Leave fused_step=None to step fused only where it can, or "

@@ -4,13 +4,12 @@
 
 # %% ../nbs/12_cli.ipynb #e16a1f7d
 from __future__ import annotations
-import argparse, contextlib, inspect, sys, typing, warnings
+import contextlib, sys, warnings
 # fastai's import runs `torch.jit.script`, deprecated in torch 2.14: not the user's concern, so not on every command
 warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
 import numpy as np, pandas as pd, torch
-from fastcore.docments import docments
 from fastcore.script import call_parse
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
@@ -19,12 +18,14 @@ from fastai.torch_core import set_seed
 from .data import digits_dls, imagenette_dls
 from .experiments import RECIPES, archs, compare, plot_losses, plot_loss_scale
 from .bench import bench
+from .cli_parser import cli_parser, dashed
 from .doctor import doctor
 from .study_run import study_cmd
 import fastai_fp16.learner  # patches Learner.to_half
+_all_ = ['cli_parser', 'dashed']  # still exported from here: they moved to `cli_parser`, below `cli` and `bench`
 
 # %% auto #0
-__all__ = ['CLIError', 'md_table', 'write_results', 'cli_parser', 'dashed', 'compare_cmd', 'train_cmd', 'doctor_cmd', 'main']
+__all__ = ['CLIError', 'md_table', 'write_results', 'compare_cmd', 'train_cmd', 'doctor_cmd', 'main', 'cli_parser', 'dashed']
 
 # %% ../nbs/12_cli.ipynb #4e63e4a5
 class CLIError(Exception): "A usage error, shown as one line"
@@ -81,42 +82,6 @@ def write_results(res:pd.DataFrame, out:str|Path, note:str='')->Path:
     for fn,name in ((plot_losses,'losses.png'), (plot_loss_scale,'loss_scale.png')):
         fig = Figure(figsize=(7,4)); fn(res, ax=fig.subplots()); fig.savefig(out/name, dpi=100, bbox_inches='tight')
     return out
-
-# %% ../nbs/12_cli.ipynb #7f14deea
-def _flag(k:str)->str: return '--' + k.replace('_', '-')
-
-def _type(anno):
-    "The converter for an annotation: `int` for `int|None`, none for an unannotated param"
-    if anno is inspect.Parameter.empty: return None
-    return next((a for a in typing.get_args(anno) if a is not type(None)), anno)
-
-def cli_parser(func, # a function whose params (annotation, default, docments comment) are the options
-               prog:str|None=None, # the program name `-h` shows
-              )->argparse.ArgumentParser:
-    "An `ArgumentParser` with one `--dashed-name` option per param of `func`, alike on fastcore 1 and 2"
-    p = argparse.ArgumentParser(prog=prog, description=func.__doc__)
-    for k,v in docments(func, full=True, returns=False, eval_str=True).items():
-        doc, d = (v.docment or '').replace('%', '%%'), v.default  # argparse %-formats help
-        if d is inspect.Parameter.empty: raise ValueError(f"{func.__name__}: param {k!r} needs a default to be an option.")
-        if v.anno is bool:  # a switch, off unless given: `--no-bench`
-            if d is not False: raise ValueError(f"{func.__name__}: bool param {k!r} must default to False (a switch).")
-            p.add_argument(_flag(k), dest=k, action='store_true', help=doc)
-            continue
-        t = _type(v.anno)
-        mv = getattr(t, '__name__', 'value').replace('_arg', '').upper()  # `--size INT`; `bool_arg`: `--e2e BOOL`
-        p.add_argument(_flag(k), dest=k, type=t, default=d, metavar=mv, help=f"{doc} (default: {d})" if d is not None else doc)
-    return p
-
-def dashed(argv:list)->list:
-    "`argv` with each option spelled with dashes: `--fp32_math on` as `--fp32-math on`"
-    res = []
-    for i,a in enumerate(argv):
-        if a == '--': return res + list(argv[i:])  # the rest are values
-        if a.startswith('--'):
-            name, eq, val = a.partition('=')  # `--out=my_dir`: only the name changes
-            a = name.replace('_', '-') + eq + val
-        res.append(a)
-    return res
 
 # %% ../nbs/12_cli.ipynb #9ab8ed99
 @call_parse

@@ -9,7 +9,8 @@ import torch
 from fastai.optimizer import Optimizer, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, adam_step
 
 # %% auto #0
-__all__ = ['fastai_adam_kind', 'fused_adam_supported', 'fused_adam_step', 'use_fused_adam', 'unuse_fused_adam']
+__all__ = ['fastai_adam_kind', 'fused_adam_target', 'fused_adam_supported', 'fused_adam_step', 'use_fused_adam',
+           'unuse_fused_adam']
 
 # %% ../nbs/09a_fused_adam.ipynb #711cbf59
 def _is(f, fn, **kw)->bool:
@@ -19,12 +20,28 @@ def _is(f, fn, **kw)->bool:
 def fastai_adam_kind(opt, # an optimizer: a fastai `Optimizer`, an `OptimWrapper`...
                     )->str|None:
     "'adamw' for fastai's `Adam` (decoupled weight decay, its default), 'adam' with `decouple_wd=False`, else None"
-    cbs = list(opt.cbs) if isinstance(opt, Optimizer) else []
+    # fastai's `Adam` is a plain `Optimizer`: a subclass or a wrapper (`Lookahead`, whose `GetAttr` hands out its inner
+    # optimizer's `cbs`) has a `step` of its own, which the fused one must not replace
+    if type(opt) is not Optimizer: return None
+    cbs = list(opt.cbs)
     if len(cbs) != 5: return None
     wd, avg, sqr, stat, step = cbs
     if not (_is(avg, average_grad, dampening=True) and (_is(sqr, average_sqr_grad) or _is(sqr, average_sqr_grad, dampening=True))
             and stat is step_stat and step is adam_step): return None
     return 'adamw' if wd is weight_decay else 'adam' if wd is l2_reg else None
+
+def _inner(opt)->Optimizer|None:
+    "The fastai optimizer that wrapper `opt` steps and shares its params and state with (`Lookahead`'s `opt`), else None"
+    inner, prop = vars(opt).get('opt'), getattr(type(opt), 'param_lists', None)
+    # a settable `param_lists` that is the inner one's: masters swapped into the wrapper reach the optimizer that steps them
+    if not (isinstance(opt, Optimizer) and isinstance(inner, Optimizer) and isinstance(prop, property) and prop.fset): return None
+    return inner if opt.param_lists is inner.param_lists and opt.state is inner.state else None
+
+def fused_adam_target(opt, # an optimizer: fastai's `Adam`, a wrapper of it such as `Lookahead`, anything else
+                     )->Optimizer|None:
+    "The fastai `Adam` whose step the fused one can replace: `opt` itself, or the one a wrapper (`Lookahead`) steps; else None"
+    while opt is not None and fastai_adam_kind(opt) is None: opt = _inner(opt)
+    return opt
 
 # %% ../nbs/09a_fused_adam.ipynb #5309c135
 @cache
@@ -71,22 +88,24 @@ def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) ov
                       amsgrad=False, maximize=False)
 
 # %% ../nbs/09a_fused_adam.ipynb #f4a5c16d
-def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params
+def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params, or a wrapper of one (`Lookahead`)
                   )->Optimizer:
-    "Make `opt.step()` the fused step (this instance only); `opt` must be fastai's `Adam` over fp32 params"
-    kind = fastai_adam_kind(opt)
-    if kind is None: raise ValueError(f"The fused step is fastai's `Adam` only; this optimizer's steppers are "
-                                      f"{[getattr(f, '__name__', f) for f in getattr(opt, 'cbs', [])]}: keep its own `step`.")
-    bad = {p.dtype for pg in opt.param_lists for p in pg if p.requires_grad and p.dtype != torch.float32}  # frozen: not stepped
+    "Make the step of `fused_adam_target(opt)` the fused one (this instance only); its params must be fp32"
+    tgt = fused_adam_target(opt)
+    if tgt is None: raise ValueError(f"The fused step is fastai's `Adam` only (or the `Adam` inside a wrapper such as "
+                                     f"`Lookahead`); this optimizer is a {type(opt).__name__} with steppers "
+                                     f"{[getattr(f, '__name__', f) for f in getattr(opt, 'cbs', [])]}: keep its own `step`.")
+    kind = fastai_adam_kind(tgt)
+    bad = {p.dtype for pg in tgt.param_lists for p in pg if p.requires_grad and p.dtype != torch.float32}  # frozen: not stepped
     if bad: raise ValueError(f"The fused step updates fp32 params (the masters), got {bad}: step fp32 masters of them "
                              "(`learn.to_half()` makes them) or keep the optimizer's own `step`.")
     def step(closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers do not support closure")
-        fused_adam_step(opt, kind)
-    opt.step = step
+        fused_adam_step(tgt, kind)
+    tgt.step = step  # a wrapper's own `step` calls it
     return opt
 
 def unuse_fused_adam(opt:Optimizer, # an optimizer given to `use_fused_adam`
                     ):
-    "Give `opt` back its own `step`"
-    opt.__dict__.pop('step', None)
+    "Give `opt` (and the `Adam` inside it) back its own `step`"
+    while opt is not None: opt.__dict__.pop('step', None); opt = _inner(opt)

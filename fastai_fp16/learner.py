@@ -94,11 +94,20 @@ def _load_with_scaler(load):
         if mp.active: raise RuntimeError("`learn.load` in the middle of a half-precision fit would be overwritten by the fp32 "
                                          "masters. Load before `fit` or after it.")
         if self.opt is None: self.create_opt()
-        load_sd = self.opt.load_state_dict
+        load_sd, err = self.opt.load_state_dict, []
         def _load_sd(sd):
+            if 'mixed_precision' in sd:
+                # checked before the optimizer loads anything; kept from fastai's `load_model`, which turns any error here
+                # into a warning that the optimizer state was not loaded
+                try: mp._checked_state(sd['mixed_precision'])
+                except (ValueError, KeyError, TypeError) as e: err.append(e); return
             load_sd(sd)
             if 'mixed_precision' in sd: mp.load_state_dict(sd['mixed_precision'])
-        with _opt_method(self.opt, 'load_state_dict', _load_sd): return load(self, file, device=device, **kwargs)
+        with _opt_method(self.opt, 'load_state_dict', _load_sd): res = load(self, file, device=device, **kwargs)
+        if err: raise ValueError(f"The checkpoint {file!r} holds a loss-scaler state that cannot be loaded: {err[0]} Its model "
+                                 "weights were loaded; the optimizer and the loss scale were left as they were. "
+                                 "`learn.load(file, with_opt=False)` loads the weights alone.") from err[0]
+        return res
     _load._fp16 = True
     return _load
 

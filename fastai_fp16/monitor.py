@@ -17,7 +17,10 @@ __all__ = ['PrecisionMonitor']
 
 # %% ../nbs/13_monitor.ipynb #9a6fab87
 def _layers(model:nn.Module)->list:
-    "(name, module, own trainable params) for every module that has some, in model order"
+    "(name, module, own trainable params) for every module that has some, in model order; named as in the model DDP wraps"
+    # fastai's DistributedTrainer wraps the model at its `before_fit`, before or after ours (both order 11): without the
+    # wrapper the names are the same either way, and the same as in `learn.model` outside the fit
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
     return [(n or type(m).__name__, m, ps) for n,m in model.named_modules()
             if (ps := [p for p in m.parameters(recurse=False) if p.requires_grad])]
 

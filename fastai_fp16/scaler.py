@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_scaler.ipynb #4a45fa6e
 from __future__ import annotations
-import math
+import math, numbers
 
 # %% auto #0
 __all__ = ['LossScaleError', 'LossScaler']
@@ -16,6 +16,36 @@ class LossScaleError(RuntimeError):
 _advice = ("Try: a lower learning rate; bf16 (`learn.to_half(torch.bfloat16)`), which needs no loss scale; BatchNorm in "
            "fp32 (`bn_fp32=True`); clipping (`clip=1.`); capping large losses (`soft_cap`); or look for inf/NaN in the data.")
 
+def _num(v)->bool: return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # NaN and inf: no
+def _int(v, lo:int)->bool: return _num(v) and v == int(v) and v >= lo
+
+_floats, _ints = ('scale','init_scale','growth_factor','backoff_factor','min_scale','max_scale'), ('growth_tracker',
+    'hysteresis_tracker','consecutive_skips','growth_interval','hysteresis')
+
+def _check_scaler(d:dict, # a `LossScaler`'s settings; a loaded state's also its scale and counters
+                  state:bool=False, # `d` is a loaded state: its entries are named as such
+                 )->dict: # `d` with floats as floats and counts as ints
+    "Raise a `ValueError` naming the first value of `d` that a `LossScaler` cannot run with; the constructor's rules and a state's"
+    def chk(k, ok, rule):
+        if k in d and not ok: raise ValueError((f"loss-scaler state: {k!r}" if state else k) + f" must be {rule}, got {d[k]!r}."
+                                               + (" Load what `LossScaler.state_dict()` returned." if state else ""))
+    chk('dynamic', d['dynamic'] in (True, False), 'True or False')
+    chk('min_scale', _num(d['min_scale']) and d['min_scale'] > 0, 'a finite number > 0')
+    # the scale grows up to `max_scale`: an infinite one would overflow every gradient and could never back off
+    chk('max_scale', _num(d['max_scale']) and d['max_scale'] >= d['min_scale'], f"a finite number >= min_scale ({d['min_scale']})")
+    lo, hi = d['min_scale'], d['max_scale']
+    for k in [k for k in ('init_scale', 'scale') if k in d]:
+        chk(k, _num(d[k]) and d[k] > 0, 'a finite number > 0')
+        chk(k, not d['dynamic'] or lo <= d[k] <= hi, f"within [min_scale, max_scale]=[{lo}, {hi}] with dynamic=True")
+    chk('growth_factor', _num(d['growth_factor']) and d['growth_factor'] > 1, 'a finite number > 1')
+    chk('backoff_factor', _num(d['backoff_factor']) and 0 < d['backoff_factor'] < 1, 'in (0, 1)')
+    for k in ('growth_interval', 'hysteresis'): chk(k, _int(d[k], 1), 'a positive integer')
+    chk('max_consecutive_skips', d['max_consecutive_skips'] is None or _int(d['max_consecutive_skips'], 1), 'a positive integer or None')
+    for k in ('growth_tracker', 'hysteresis_tracker', 'consecutive_skips'): chk(k, _int(d.get(k), 0), 'an integer >= 0')
+    mx = d['max_consecutive_skips']
+    return {**d, **{k: float(d[k]) for k in _floats if k in d}, **{k: int(d[k]) for k in _ints if k in d},
+            'dynamic': bool(d['dynamic']), 'max_consecutive_skips': mx if mx is None else int(mx)}
+
 class LossScaler:
     "Static (`dynamic=False`) or dynamic loss scale, updated once per optimizer step"
     def __init__(self,
@@ -26,22 +56,13 @@ class LossScaler:
         growth_interval:int=2000, # clean steps in a row before growing
         hysteresis:int=1, # overflows tolerated before backing off
         min_scale:float=1., # the scale never goes below this; an overflow at it raises `LossScaleError`
-        max_scale:float=2.**24, # the scale never grows above this
+        max_scale:float=2.**24, # the scale never grows above this (finite)
         max_consecutive_skips:int=100, # raise `LossScaleError` after this many skipped steps in a row (None: never)
     ):
-        def _chk(ok, msg):
-            if not ok: raise ValueError(msg)
-        _chk(0 < min_scale <= max_scale, f"Need 0 < min_scale <= max_scale, got min_scale={min_scale}, max_scale={max_scale}.")
-        _chk(0 < init_scale < math.inf and (not dynamic or min_scale <= init_scale <= max_scale),
-             f"init_scale={init_scale} must be finite and positive and, with dynamic=True, within [min_scale, max_scale]=[{min_scale}, {max_scale}].")
-        _chk(growth_factor > 1, f"growth_factor must be > 1, got {growth_factor}.")
-        _chk(0 < backoff_factor < 1, f"backoff_factor must be in (0, 1), got {backoff_factor}.")
-        _chk(int(growth_interval) == growth_interval >= 1, f"growth_interval must be a positive integer, got {growth_interval}.")
-        _chk(int(hysteresis) == hysteresis >= 1, f"hysteresis must be a positive integer, got {hysteresis}.")
-        _chk(max_consecutive_skips is None or max_consecutive_skips >= 1, f"max_consecutive_skips must be >= 1 or None, got {max_consecutive_skips}.")
-        self.init_scale,self.dynamic,self.growth_factor,self.backoff_factor = float(init_scale),dynamic,growth_factor,backoff_factor
-        self.growth_interval,self.hysteresis,self.min_scale,self.max_scale = int(growth_interval),int(hysteresis),min_scale,max_scale
-        self.max_consecutive_skips = max_consecutive_skips
+        kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                  growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+                  max_consecutive_skips=max_consecutive_skips)
+        self.__dict__.update(_check_scaler(kw))
         self.reset()
 
     def reset(self):
@@ -64,7 +85,7 @@ class LossScaler:
         self.consecutive_skips += 1
         if found_inf and not bad_loss and self.dynamic:
             self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
+            self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)  # 0: spent, every further overflow backs off
             if self.hysteresis_tracker <= 0:
                 if self.scale <= self.min_scale:
                     raise LossScaleError(f"Gradients overflowed at the minimum loss scale ({self.min_scale:g}) after "
@@ -80,12 +101,18 @@ class LossScaler:
     def state_dict(self)->dict:
         "The scale, its counters and its settings"
         return {k: getattr(self, k) for k in self._keys}
-    def load_state_dict(self, sd:dict):
-        "Restore what `state_dict` returned"
+    def _checked_state(self, sd:dict)->dict:
+        "What loading `sd` would make `state_dict()`; raises, naming the entry, if a `LossScaler` could not run with it"
+        if not isinstance(sd, dict): raise TypeError(f"A loss-scaler state is a dict (what `LossScaler.state_dict()` returns), got {type(sd).__name__}.")
         missing = [k for k in ('scale','growth_tracker','hysteresis_tracker') if k not in sd]
         if missing: raise KeyError(f"Not a loss-scaler state: missing {missing}. Pass what `LossScaler.state_dict()` returned.")
-        for k in self._keys:
-            if k in sd: setattr(self, k, sd[k])
+        # a state of an earlier version may lack some settings (kept as they are) or, spent, a hysteresis count below 0
+        new = {**self.state_dict(), **{k: sd[k] for k in self._keys if k in sd}}
+        if _num(new['hysteresis_tracker']) and new['hysteresis_tracker'] < 0: new['hysteresis_tracker'] = 0
+        return _check_scaler(new, state=True)
+    def load_state_dict(self, sd:dict):
+        "Restore what `state_dict` returned; a state refused (with the entry named) leaves this scaler as it was"
+        self.__dict__.update(self._checked_state(sd))  # every entry checked before any is set
     def __repr__(self):
         kind = 'dynamic' if self.dynamic else 'static'
         return f"LossScaler({kind}, scale={self.scale:g}, growth {self.growth_tracker}/{self.growth_interval})"

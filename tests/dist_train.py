@@ -1,5 +1,7 @@
 """Run with `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR DTYPE`: 2 CPU processes (gloo), each rank seeded
-apart (DDP's broadcast of rank 0's weights is what makes ranks agree), a NaN on rank 1 only. DTYPE: fp16, bf16 or fp32."""
+apart (DDP's broadcast of rank 0's weights is what makes ranks agree), a NaN on rank 1 only. DTYPE: fp16, bf16 or fp32.
+A `PrecisionMonitor` looks on: on the Learner (before `DistributedTrainer`, which wraps the model in DDP) for fp16, given
+to `fit` (after it) otherwise."""
 import sys, torch, torch.nn as nn
 from pathlib import Path
 from fastai.learner import Learner
@@ -22,10 +24,14 @@ class NaNOnRank1(Callback):
 
 out, dtype = Path(sys.argv[1]), sys.argv[2]
 rank = int(__import__('os').environ['RANK'])
-learn = Learner(synth_dls(n=128, bs=16), tiny_model(seed=rank), loss_func=nn.MSELoss(), opt_func=Adam, cbs=NaNOnRank1())
+pm = PrecisionMonitor(every=3)
+learn = Learner(synth_dls(n=128, bs=16), tiny_model(seed=rank), loss_func=nn.MSELoss(), opt_func=Adam,
+                cbs=[NaNOnRank1()] + ([pm] if dtype == 'fp16' else []))
 if dtype != 'fp32': learn.to_half(dtype, init_scale=256. if dtype == 'fp16' else 1., growth_interval=3)
-with learn.distrib_ctx(sync_bn=False): learn.fit(2, 1e-2)
+with learn.distrib_ctx(sync_bn=False): learn.fit(2, 1e-2, cbs=[] if dtype == 'fp16' else [pm])
 mp = getattr(learn, 'mixed_precision', None)
 torch.save({'params': [p.detach() for p in learn.model.parameters()], 'opt': [learn.opt.state[p].get('grad_avg') for p in learn.model.parameters()],
             'scale': mp and mp.loss_scale, 'skipped': mp and mp.skipped, 'scales': mp and list(mp.scales),
-            'dtypes': {p.dtype for p in learn.model.parameters()}}, out/f'rank{rank_distrib()}.pt')
+            'dtypes': {p.dtype for p in learn.model.parameters()}, 'overflows': pm.overflows,
+            'records': pm.records, 'metric_names': list(learn.recorder.metric_names),
+            'values': [list(v) for v in learn.recorder.values]}, out/f'rank{rank_distrib()}.pt')

@@ -1,5 +1,5 @@
-"Two CPU processes on gloo, under torchrun, seeded apart: ranks end bit-identical and skip together"
-import subprocess, sys, os, tempfile, torch, pytest
+"Two CPU processes on gloo, under torchrun, seeded apart: ranks end bit-identical and skip together, a `PrecisionMonitor` on each"
+import subprocess, sys, os, tempfile, torch, pytest, numpy as np, pandas as pd
 from pathlib import Path
 
 def _run(dtype, port):
@@ -19,3 +19,13 @@ def test_ranks_seeded_apart_end_identical(dtype, port):
     assert a['dtypes'] == b['dtypes'] == {torch.float32}
     for x, y in zip(a['params'], b['params']): assert torch.equal(x, y)  # rank 0's masters on both ranks, bit for bit
     for x, y in zip(a['opt'], b['opt']): assert torch.equal(x, y)
+    # the monitor (fp16: on the Learner, before DDP wraps the model; bf16: given to `fit`, after) names the layers alike
+    for r in (a, b):
+        assert [o['step'] for o in r['overflows']] == [2, 5]  # batch 2 of each epoch, on rank 0 too: DDP all-reduced the NaN
+        assert all(o['layers'] == ['0', '1', '3'] and o['start'] == '3' for o in r['overflows'])
+        df = pd.DataFrame(r['records'])
+        assert set(df.layer) == {'0', '1', '3'} and sorted(set(df.step)) == [0, 2, 3, 5]  # every 3rd step, and the overflows
+        assert (df[df.step.isin([2, 5])].n_nan > 0).all() and (df[~df.step.isin([2, 5])].n_nan == 0).all()
+        assert r['metric_names'][3:5] == ['loss_scale', 'skipped'] and [v[3] for v in r['values']] == [1, 2]
+    assert pd.DataFrame(a['records']).equals(pd.DataFrame(b['records']))  # the same records on both ranks (NaN as NaN)
+    np.testing.assert_array_equal(np.array(a['values'], dtype=float), np.array(b['values'], dtype=float))

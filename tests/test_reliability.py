@@ -352,3 +352,44 @@ def test_two_dtypes_error_gets_one_hint():
     assert len(notes) == 1 and 'x.new_zeros(n)' in notes[0] and 'keep_fp32' in notes[0]
     assert fp32_everywhere(learn)
     learn.to_float().to_half('bf16', fp32_math=False, keep_fp32=['']).fit(1, 1e-2)  # the whole model in fp32: it runs
+
+@pytest.mark.parametrize('kw', [dict(growth_factor=float('inf')), dict(max_scale=float('inf')), dict(min_scale=float('nan')),
+                                dict(growth_interval=float('inf')), dict(hysteresis=float('nan')), dict(max_consecutive_skips=float('inf'))])
+def test_non_finite_scaler_settings_refused(kw):
+    (k, v), = kw.items()
+    with pytest.raises(ValueError, match=f"^{k} must be"): MixedPrecision(**kw)
+
+BAD_STATES = [('scale', float('nan')), ('scale', float('inf')), ('scale', 0.), ('scale', -4.), ('scale', 'x'),
+              ('growth_tracker', -1), ('consecutive_skips', 2.5), ('hysteresis_tracker', None), ('growth_factor', float('inf'))]
+
+@pytest.mark.parametrize('key,value', BAD_STATES)
+def test_corrupt_scaler_state_refused_and_nothing_changed(key, value):
+    a = MixedPrecision(growth_interval=3)
+    for f in (False, True, False): a.scaler.update(f)
+    before, sd = a.state_dict(), a.state_dict()
+    sd['dtype'] = 'torch.bfloat16'  # a valid entry that must not be taken either
+    sd['scaler'] = {**sd['scaler'], 'growth_tracker': 2, key: value}
+    with pytest.raises(ValueError, match=f"loss-scaler state: '{key}' must be .*, got {value!r}"): a.load_state_dict(sd)
+    assert a.state_dict() == before
+
+def test_unknown_dtype_in_state_refused():
+    a = MixedPrecision(); before = a.state_dict()
+    with pytest.raises(ValueError, match="'dtype' must be one of"): a.load_state_dict({**before, 'dtype': 'torch.float32'})
+    assert a.state_dict() == before
+
+@pytest.mark.parametrize('key,value', [('scale', float('nan')), ('scale', 'x'), ('dtype', 'fp8')])
+def test_learn_load_of_corrupt_scaler_state_raises(tmp_path, key, value):
+    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half()
+    a = mk(); a.fit(1, 1e-2); a.save('ep1')
+    f = tmp_path/'models/ep1.pth'
+    sd = torch.load(f, weights_only=False)
+    mps = sd['opt']['mixed_precision']
+    if key == 'dtype': mps['dtype'] = value
+    else: mps['scaler'][key] = value
+    torch.save(sd, f)
+    b = mk(); b.create_opt()
+    before, opt_before = b.mixed_precision.state_dict(), b.opt.state_dict()
+    with pytest.raises(ValueError, match=f"ep1.*cannot be loaded: .*'{key}' must be"): b.load('ep1')
+    assert b.mixed_precision.state_dict() == before
+    assert b.opt.state_dict()['state'] == opt_before['state']  # the optimizer left as it was: no step counts, no averages
+    assert not any('grad_avg' in s for s in b.opt.state_dict()['state']) and any('grad_avg' in s for s in sd['opt']['state'])
