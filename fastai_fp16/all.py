@@ -13,6 +13,7 @@ from .learner import *
 from .data import *
 from .experiments import *
 from .monitor import *
+from .ema import *
 from .bench_overhead import *
 from .bench import *
 from .torch_optim import *

@@ -1,0 +1,174 @@
+"EMA of the weights: fp32, from the masters; the usual deepcopy EMA of a half model is shown off"
+import copy, zipfile, torch, torch.nn as nn, pytest
+from fastcore.test import test_eq as eq, test_ne as ne, test_close as close  # not test_*: pytest would collect them
+from fastai.learner import Learner, load_learner
+from fastai.optimizer import SGD
+from fastai.callback.core import Callback
+from fastai.callback.training import GradientAccumulation
+from fastai_fp16.all import *
+from fastai_fp16.ema import EMA
+from helpers import *
+
+def flat(ts): return torch.cat([t.detach().float().reshape(-1) for t in ts])
+
+class NaiveEMA(Callback):
+    "The usual EMA (timm's `ModelEmaV2`, fastxtend's `EMACallback`): `deepcopy(learn.model)`, averaged in place after each step"
+    order = 11
+    def __init__(self, decay): self.decay = decay
+    def before_fit(self): self.ema_model = copy.deepcopy(self.learn.model)
+    def after_step(self):
+        with torch.no_grad():
+            for a,w in zip(self.ema_model.parameters(), self.learn.model.parameters()): a.mul_(self.decay).add_(w, alpha=1-self.decay)
+
+class Weights(Callback):
+    "The true fp32 value of each param after each optimizer step that ran (and of the float buffers)"
+    order = 100
+    def before_fit(self): self.seen, self.bufs, self.cancelled = [], [], False
+    def after_cancel_step(self): self.cancelled = True
+    def after_step(self):
+        if self.cancelled: self.cancelled = False; return
+        mth = getattr(self.learn, 'model_to_half', None)
+        self.seen.append([(mth.fp32_value(p) if mth else p).detach().clone() for p in self.learn.model.parameters()])
+        self.bufs.append([b.detach().float().clone() for b in self.learn.model.buffers() if b.is_floating_point()])
+
+def by_hand(w0, seen, decay, every=1, warmup=False):
+    avg, n = [w.clone() for w in w0], 0
+    for i,ws in enumerate(seen, 1):
+        if i % every: continue
+        d = min(decay, (1+n)/(10+n)) if warmup else decay
+        avg, n = [a.lerp(w, 1-d) for a,w in zip(avg, ws)], n+1
+    return avg, n
+
+def tiny_fit(dtype=None, cbs=(), epochs=4, lr=0.1, dls=None, **kw):
+    "tiny_model from the same start, 16 SGD steps an epoch"
+    learn = Learner(dls or synth_dls(n=171, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=SGD, cbs=list(cbs))
+    if dtype: learn.to_half(dtype, **kw)
+    w0 = [p.detach().clone() for p in learn.model.parameters()]
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, lr)
+    return learn, w0
+
+@pytest.mark.parametrize('dtype,kw', [('bf16', {}), ('fp16', dict(init_scale=2.**8))])  # 2**8: no fp16 overflow, the same 64 steps
+def test_naive_ema_is_off_and_ours_matches_the_fp32_runs(dtype, kw):
+    ref, w0 = tiny_fit(cbs=[EMA(0.9998), NaiveEMA(0.9998)])
+    learn, _ = tiny_fit(dtype, [EMA(0.9998), NaiveEMA(0.9998)], **kw)
+    eq((ref.ema.n_updates, learn.ema.n_updates, learn.mixed_precision.skipped), (64, 64, 0))
+    start, ref_ema = flat(w0), flat(ref.ema.avg.values())
+    unit = (ref_ema - start).norm()
+    noise = ((flat(learn.model.parameters()) - flat(ref.model.parameters())).norm() / (flat(ref.model.parameters()) - start).norm()).item()
+    ours, naive = flat(learn.ema.avg.values()), flat(learn.naive_ema.ema_model.parameters())
+    moved = lambda e: ((e - start).norm() / unit).item()
+    off = lambda e: ((e - ref_ema).norm() / unit).item()
+    close(flat(ref.naive_ema.ema_model.parameters()), ref_ema, eps=1e-4)  # in fp32 the usual EMA is right
+    assert abs(moved(ours) - 1) < 0.1 and off(ours) <= noise + 0.05, (moved(ours), off(ours), noise)
+    assert off(naive) > 0.5, (moved(naive), off(naive))  # bf16: moved 0.48, off 0.90; fp16: moved 1.22, off 0.66
+
+def test_skipped_steps_are_not_averaged():
+    learn, w0 = tiny_fit('fp16', [EMA(0.9), spy := Weights()], epochs=1, init_scale=2.**24)  # the first steps overflow
+    skipped = learn.mixed_precision.skipped
+    assert skipped >= 1 and len(spy.seen) == 16 - skipped
+    avg, n = by_hand(w0, spy.seen, 0.9)
+    eq(learn.ema.n_updates, n)
+    assert all(torch.equal(a, b) for a,b in zip(learn.ema.avg.values(), avg))
+
+@pytest.mark.parametrize('every,warmup', [(1, False), (3, True)])
+def test_fp32_learner_is_the_ema_by_hand(every, warmup):
+    learn, w0 = tiny_fit(cbs=[EMA(0.95, every=every, warmup=warmup, buffers='ema'), spy := Weights()], epochs=2)
+    avg, n = by_hand(w0, spy.seen, 0.95, every, warmup)
+    eq(learn.ema.n_updates, n)
+    names = [k for k,_ in learn.model.named_parameters()]
+    assert all(torch.equal(learn.ema.avg[k], a) for k,a in zip(names, avg))
+    b0 = [b.float() for b in tiny_model().buffers() if b.is_floating_point()]  # BatchNorm's stats, averaged with 'ema'
+    bavg, _ = by_hand(b0, spy.bufs, 0.95, every, warmup)
+    eq([learn.ema.avg[k] for k in ('1.running_mean', '1.running_var')], bavg)
+
+def test_only_real_steps_count_with_gradient_accumulation():
+    learn, _ = tiny_fit('bf16', [GradientAccumulation(16), EMA(0.9), spy := Weights()], epochs=1)
+    eq((learn.ema.n_updates, len(spy.seen)), (8, 8))  # 16 batches of 8, a step per 16 items
+
+def test_applied_and_validate_restore_the_weights_bit_for_bit():
+    mk = lambda v: tiny_fit('bf16', [EMA(0.9, validate=v)], epochs=2)[0]
+    plain, learn = mk(False), mk(True)
+    eq(flat(learn.model.parameters()), flat(plain.model.parameters()))  # EMA validation left training alone
+    eq(flat(learn.ema.avg.values()), flat(plain.ema.avg.values()))
+    ne(learn.recorder.values[-1][1], plain.recorder.values[-1][1])
+    w, bufs = flat(learn.model.parameters()), flat(learn.model.buffers())
+    with learn.ema.applied():
+        eq(flat(learn.model.parameters()), flat(learn.ema.avg.values()))
+        learn.validate()
+    eq((flat(learn.model.parameters()), flat(learn.model.buffers())), (w, bufs))
+    with pytest.raises(KeyboardInterrupt):
+        with learn.ema.applied(): raise KeyboardInterrupt
+    eq(flat(learn.model.parameters()), w)
+    with learn.ema.applied(), pytest.raises(RuntimeError, match='inside `with learn.ema.applied'): learn.fit(1)
+    # an fp32 fit validating on the average shows the loss `validate` gives on it after the fit
+    learn, _ = tiny_fit(cbs=[EMA(0.9, validate=True)], epochs=1)
+    shown = learn.recorder.values[-1][1]  # before `validate` resets the Recorder
+    with learn.ema.applied(): close(learn.validate()[0], shown)
+
+class Seen(Callback):
+    "The params' true fp32 values as validation starts (before `EMA`, order 4, swaps in the average)"
+    order = 3
+    def before_validate(self): self.w = flat(map(self.learn.model_to_half.fp32_value, self.learn.model.parameters()))
+class Boom(Callback):
+    order = 100
+    def after_batch(self):
+        if not self.training: raise KeyboardInterrupt
+
+def test_a_fit_raising_mid_validation_gets_its_training_weights_back():
+    # no masters: the half params are the true values, which ModelToHalf's cleanup reads after ours put them back
+    learn = Learner(synth_dls(n=171, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=SGD,
+                    cbs=[EMA(0.9, validate=True), seen := Seen(), Boom()]).to_half('bf16', master_weights=False)
+    with pytest.raises(KeyboardInterrupt): learn.fit(1, 0.1)
+    assert fp32_everywhere(learn)
+    eq(flat(learn.model.parameters()), seen.w)
+    ne(flat(learn.ema.avg.values()), seen.w)
+    assert not hasattr(learn.ema, '_run')
+
+def test_export_and_load_learner(tmp_path):
+    learn = Learner(exportable_dls(), nn.Linear(4, 2), loss_func=nn.MSELoss(), opt_func=SGD, path=tmp_path,
+                    cbs=EMA(0.9)).to_half('bf16')
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 0.1)
+    learn.export('weights.pkl')
+    with learn.ema.applied(): learn.export('ema.pkl')
+    for f in ('weights.pkl', 'ema.pkl'):
+        with zipfile.ZipFile(tmp_path/f) as z: assert not any(b'fastai_fp16' in z.read(n) for n in z.namelist())
+    w, e = load_learner(tmp_path/'weights.pkl'), load_learner(tmp_path/'ema.pkl')
+    assert not hasattr(w, 'ema') and fp32_everywhere(e)
+    eq(flat(w.model.parameters()), flat(learn.model.parameters()))
+    eq(flat(e.model.parameters()), flat(learn.ema.avg.values()))
+    ne(flat(e.model.parameters()), flat(learn.model.parameters()))
+    torch.save(learn.ema.state_dict(), tmp_path/'ema.pth')
+    m = nn.Linear(4, 2); m.load_state_dict(torch.load(tmp_path/'ema.pth'))
+    eq(flat(m.parameters()), flat(learn.ema.avg.values()))
+    other = Learner(exportable_dls(), nn.Linear(4, 2), loss_func=nn.MSELoss(), cbs=EMA(0.9))
+    other.ema.load_state_dict(learn.ema.state_dict(), n_updates=learn.ema.n_updates)
+    eq((flat(other.ema.avg.values()), other.ema.n_updates), (flat(learn.ema.avg.values()), 6))
+
+def test_across_fits_and_not_in_lr_find_validate_get_preds():
+    learn, _ = tiny_fit('bf16', [EMA(0.99)], epochs=1)
+    avg = flat(learn.ema.avg.values())
+    with learn.no_bar(), learn.no_logging():
+        learn.validate(); learn.get_preds(); learn.lr_find(num_it=10, show_plot=False, suggest_funcs=())
+        eq((flat(learn.ema.avg.values()), learn.ema.n_updates), (avg, 16))
+        learn.fit(1, 0.1)
+    eq(learn.ema.n_updates, 32); ne(flat(learn.ema.avg.values()), avg)
+    learn.ema.reset()
+    with pytest.raises(ValueError, match='no average yet'):
+        with learn.ema.applied(): pass
+
+class Reader(Callback):
+    "A third-party callback reading the params during a fit: what it sees, and the fp32 values"
+    order = 20
+    def after_step(self):
+        mth, ps = self.learn.model_to_half, [p for n,p in self.learn.model.named_parameters() if not n.startswith('1.')]  # not BatchNorm's
+        self.dtypes = {p.dtype for p in ps}
+        self.fp32, stepped = [mth.fp32_value(p) for p in ps], list(self.learn.opt.all_params().itemgot(0))
+        self.is_master = all(any(v.data_ptr() == m.data_ptr() for m in stepped) for v in self.fp32)  # the masters it steps
+        sd = self.learn.model.state_dict()
+        self.sd_ok = all(sd[n].dtype == torch.float32 and torch.equal(sd[n], mth.fp32_value(p)) for n,p in self.learn.model.named_parameters())
+
+def test_a_callback_reading_params_mid_fit_sees_half_and_fp32_value_gives_the_masters():
+    learn, _ = tiny_fit('bf16', [r := Reader()], epochs=1)
+    eq(r.dtypes, {torch.bfloat16})
+    assert r.is_master and r.sd_ok and {v.dtype for v in r.fp32} == {torch.float32}
+    assert not any(torch.equal(v.bfloat16().float(), v) for v in r.fp32)  # finer than the half params it sees
