@@ -2,6 +2,7 @@
 from .core import *
 from .scaler import *
 from .hardware import *
+from .layout import *
 from .fp32math import *
 from .doctor import *
 from .guard import *
@@ -14,6 +15,7 @@ from .data import *
 from .experiments import *
 from .monitor import *
 from .ema import *
+from .memory import *
 from .bench_overhead import *
 from .bench import *
 from .torch_optim import *

@@ -111,7 +111,7 @@ def _tf32(on:bool):
 
 def _channels_last(m:nn.Module)->bool:
     "Whether `m`'s convolution weights are channels_last (what the fit ran in)"
-    ws = [p for p in m.parameters() if p.dim() == 4 and p.shape[-2:] != (1,1)]  # 1x1 kernels look alike in both
+    ws = [p for p in m.parameters() if p.dim() == 4 and p.shape[1] > 1 and p.shape[-2:] != (1,1)]  # else alike in both
     return bool(ws) and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in ws)
 
 def run_variant(model:nn.Module, # model to copy (left untouched)

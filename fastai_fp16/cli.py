@@ -143,13 +143,12 @@ def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, 
 @call_parse
 def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
                no_bench:bool=False, # the report only, without the micro-benchmark
-               channels_last:bool=False, # micro-benchmark in channels_last memory format
                channels:int=32, # micro-benchmark: channels of the conv layer
                size:int=32, # micro-benchmark: input height and width
               ):
-    "Print the hardware, which half dtypes are fast on it (measured) and the `to_half` call to use"
+    "Print the hardware, which half dtypes and memory formats are fast on it (measured) and the `to_half` call to use"
     if channels < 1 or size < 3: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {channels} and {size}.")
-    return doctor(_device(device), not no_bench, channels_last, channels=channels, size=size)
+    return doctor(_device(device), not no_bench, channels=channels, size=size)
 
 # %% ../nbs/12_cli.ipynb #a681ba96
 _cmds = dict(compare=compare_cmd, study=study_cmd, train=train_cmd, doctor=doctor_cmd, bench=bench)

@@ -9,7 +9,7 @@ import torch, torch.nn as nn
 from .hardware import *
 from .core import convert_network
 from .fp32math import patch_fp32_math
-from .layout import prefers_channels_last
+from .layout import plan_kind
 
 # %% auto #0
 __all__ = ['layer_variants', 'layer_bench', 'doctor']
@@ -67,13 +67,14 @@ def _agree(report:PrecisionReport, ms:dict)->str|None:
     return None
 
 def _layouts(report:PrecisionReport, ms:dict|None)->list:
-    "What `to_half('auto')` picks for a dense and a depthwise conv net, and a note where one layer measured it much slower"
-    p, out = report.plan, []
+    "What `to_half('auto')` trains a dense and a depthwise conv net in here, and a note where one layer measured that much slower"
+    out, caps = [], report.caps
     for kind in ('dense', 'depthwise'):
-        cl, why = prefers_channels_last(report.caps, p, kind)
-        out.append(f"  auto, {kind} conv nets: {'channels_last' if cl else 'NCHW'} ({why})")
+        p = plan_kind(caps, 'auto', kind=kind)
+        out.append(f"  auto, {kind} conv nets: {p.kernels}, {'channels_last' if p.channels_last else 'NCHW'} ({p.layout})")
+    p = plan_kind(caps, 'auto', kind='dense')
     t = (ms or {}).get(p.kernels)
-    if t and 'NCHW' in t and 'NHWC' in t and prefers_channels_last(report.caps, p, 'dense')[0] and t['NHWC'] > 1.25 * t['NCHW']:
+    if p.channels_last and t and 'NCHW' in t and 'NHWC' in t and t['NHWC'] > 1.25 * t['NCHW']:
         out.append(f"note: one {p.kernels} layer measured {t['NHWC']/t['NCHW']:.1f}x slower NHWC here: if training is too, "
                    "pass learn.to_half('auto', channels_last=False).")
     return out

@@ -9,7 +9,7 @@ from fastai.callback.channelslast import ChannelsLast
 from .hardware import Capabilities, PrecisionPlan, plan_precision, detect, _names
 
 # %% auto #0
-__all__ = ['conv_kind', 'prefers_channels_last', 'plan_fit', 'AutoChannelsLast', 'layout_asked']
+__all__ = ['conv_kind', 'prefers_channels_last', 'plan_kind', 'plan_fit', 'AutoChannelsLast', 'layout_asked']
 
 # %% ../nbs/04a_layout.ipynb #b7a10006
 def conv_kind(model:nn.Module)->str:
@@ -20,10 +20,23 @@ def conv_kind(model:nn.Module)->str:
     return 'depthwise' if 10*dw >= len(convs) else 'dense'
 
 # %% ../nbs/04a_layout.ipynb #b7a10009
-# Whether NHWC made a whole training step faster (`fastai-fp16 bench`: `Learner.fit` through our callbacks, resnet18 and
-# mobilenet_v3_small at 64 and 128 px, batch 32, NCHW and NHWC interleaved), per CPU class, kernel dtype and kind of
-# model: measured on a Zen 4, and on it with oneDNN and ATen capped to the other classes (`nbs/20_bench.ipynb`)
-_cpu_nhwc = {}  # filled below from the measurements
+# What a whole training step measured (`fastai-fp16 bench`'s `Learner.fit` through our callbacks, resnet18 and
+# mobilenet_v3_small at 64 and 128 px, batch 32, 2 threads; NCHW and NHWC side by side) on a Zen 4 (AVX512-BF16), and
+# on it with oneDNN and ATen capped to the other classes (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`), NCHW and NHWC
+# in alternating pairs: whether NHWC was faster, by class, what the convolutions compute in, and kind of model
+_cpu_nhwc = {  # (faster NHWC, NHWC's speed-up: NCHW's step time / NHWC's)
+    ('avx512_bf16', 'bf16', 'dense'): (True, '1.11x at 128 px, 0.95-1.19x at 64 px'),
+    ('avx512_bf16', 'bf16', 'depthwise'): (True, '1.09x at 128 and 64 px'),
+    ('avx512_bf16', 'fp32', 'dense'): (True, '1.13x at 128 px, 1.01x at 64 px'),
+    ('avx512_bf16', 'fp32', 'depthwise'): (True, '1.46x at 128 px, 1.44-1.54x at 64 px'),
+    ('avx512', 'fp32', 'dense'): (True, '1.18x at 128 px, 0.98-1.12x at 64 px'),
+    ('avx512', 'fp32', 'depthwise'): (True, '1.80x at 128 px, 1.37x at 64 px'),
+    # slower on small images: `'auto'` is never slower than fp32 as fastai runs it; for large ones, `channels_last=True`
+    ('avx2', 'fp32', 'dense'): (False, '0.86-0.89x at 64 px, 1.17x at 128 px'),
+    ('avx2', 'fp32', 'depthwise'): (True, '1.36x at 128 px, 1.10x at 64 px')}
+# where `'auto'`'s fast half dtype still lost to fp32: oneDNN's bf16 depthwise convolutions (mobilenet_v3_small: bf16
+# 1.4-1.7x fp32 NHWC's step time on the Zen 4)
+_cpu_fp32_faster = {('avx512_bf16', 'depthwise'): 'bf16 took 1.4-1.7x the step time of fp32 NHWC, mobilenet_v3_small'}
 
 def prefers_channels_last(caps:Capabilities, # the device (`detect`)
                           plan:PrecisionPlan, # the fit's precision (`plan_precision`)
@@ -38,22 +51,36 @@ def prefers_channels_last(caps:Capabilities, # the device (`detect`)
         return False, f"{k} convolutions without tensor cores: NCHW" + (" is faster in fp32" if k == 'fp32' else '')
     if caps.device_type != 'cpu': return False, f"no rules for device type {caps.device_type!r}"
     cls = caps.cpu_class
-    # AMX: not measured; its bf16 convolutions are oneDNN's too, taken as AVX512-BF16's
-    fast = _cpu_nhwc.get(('avx512_bf16' if cls == 'amx' and k == 'bf16' else cls, k, kind))
-    if fast is None: return False, f"NHWC not measured for {k} {kind} convolutions on {cls}"
-    return fast, f"{k} {kind} convolutions measured {'faster' if fast else 'slower'} NHWC on {cls}"
+    # AMX: not measured; its convolutions are oneDNN's, as on AVX512-BF16
+    src = 'avx512_bf16' if cls == 'amx' else cls
+    m = _cpu_nhwc.get((src, k, kind))
+    if m is None: return False, f"NHWC not measured for {k} {kind} convolutions on {cls}"
+    return m[0], (f"{k} {kind} convolutions measured {'faster' if m[0] else 'slower'} NHWC on {src}: {m[1]}"
+                  + (" (AMX not measured)" if src != cls else ''))
+
+def plan_kind(caps:Capabilities, # the device (`detect`)
+              dtype='auto', # as for `plan_precision`
+              fp32_math='auto', # as for `plan_precision`
+              kind:str|None=None, # the model's `conv_kind` (None: unknown, the memory format is not planned)
+              channels_last:bool|None=None, # True/False as asked; None: where `prefers_channels_last` says so
+             )->PrecisionPlan:
+    "`plan_precision`'s plan for a `kind` model, with the memory format the fit trains in and why"
+    p = plan_precision(caps, dtype, fp32_math)
+    if p.requested == 'auto' and p.dtype != torch.float32 and caps.device_type == 'cpu' and (caps.cpu_class, kind) in _cpu_fp32_faster:
+        p = PrecisionPlan(torch.float32, False, True, 'auto', f"fp32 is faster for {kind} conv nets here: {kind} convolutions "
+                          f"measured slower in {_names[p.dtype]} on {caps.cpu_class} ({_cpu_fp32_faster[caps.cpu_class, kind]})", 'cpu')
+    if channels_last is not None: p.channels_last, p.layout = bool(channels_last), 'as asked'
+    elif kind is not None: p.channels_last, p.layout = prefers_channels_last(caps, p, kind)
+    return p
 
 def plan_fit(caps:Capabilities, # the device (`detect`)
              dtype='auto', # as for `plan_precision`
              fp32_math='auto', # as for `plan_precision`
-             model:nn.Module|None=None, # the model, for `channels_last=None`
+             model:nn.Module|None=None, # the model (its `conv_kind`)
              channels_last:bool|None=None, # True/False as asked; None: where `prefers_channels_last` says so
             )->PrecisionPlan:
-    "`plan_precision`'s plan with the memory format a fit of `model` trains in, and why"
-    p = plan_precision(caps, dtype, fp32_math)
-    if channels_last is not None: p.channels_last, p.layout = bool(channels_last), 'as asked'
-    elif model is not None: p.channels_last, p.layout = prefers_channels_last(caps, p, conv_kind(model))
-    return p
+    "The plan of a fit of `model`: `plan_kind` for its `conv_kind`"
+    return plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
 
 # %% ../nbs/04a_layout.ipynb #b7a1000d
 class AutoChannelsLast(ChannelsLast):

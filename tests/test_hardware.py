@@ -36,7 +36,7 @@ def test_fit_runs_the_planned_kernels(cls, dtype, expected):
     with assume_capabilities(cpu_caps(cls)): fit(learn)
     dt, f32 = expected
     assert s.got == {(dt, dt, f32, f32)}, s.got
-    assert learn.model_to_half.plan == plan_precision(cpu_caps(cls), dtype)
+    assert learn.model_to_half.plan == plan_fit(cpu_caps(cls), dtype, model=learn.model)  # the memory format too
     assert fp32_everywhere(learn) and not any(k in m.__dict__ for m in learn.model.modules() for k in ('forward', '_conv_forward'))
 
 def test_auto_without_fast_kernels_is_plain_fp32_training():
@@ -54,7 +54,7 @@ def test_auto_trains_here_and_says_so_once(capsys):
     w = params(learn)
     for _ in range(2):
         with learn.no_bar(): learn.fit(1, 1e-2)
-    plan = plan_precision(detect('cpu'), 'auto')
+    plan = plan_fit(detect('cpu'), 'auto', model=learn.model)
     out = capsys.readouterr().out
     assert out.count("to_half('auto') on cpu:") == 1 and plan.describe() in out, out
     assert learn.model_to_half.plan == plan and fp32_everywhere(learn)

@@ -1,0 +1,80 @@
+"`to_half(channels_last=None)`: fastai's ChannelsLast where the fit's plan says NHWC is faster, capabilities injected"
+import torch, torch.nn as nn, pytest
+from fastai.learner import Learner
+from fastai.data.core import DataLoaders
+from fastai.callback.core import Callback
+from fastai.callback.channelslast import ChannelsLast
+from fastai_fp16.all import *
+import fastai_fp16.layout as layout
+from helpers import *
+
+def img_dls(n=32, bs=8, size=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randn(n, 2, generator=g)
+    return DataLoaders.from_dsets(list(zip(x[:24], y[:24])), list(zip(x[24:], y[24:])), bs=bs, device='cpu')
+
+def dense_net(): torch.manual_seed(0); return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+def depthwise_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1, groups=6), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 2))
+def mlp(): torch.manual_seed(0); return nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, 2))
+
+class Layout(Callback):
+    "What the fit ran in: the first conv weight's memory format at each step"
+    order = 20
+    def before_step(self):
+        w = next((p for p in self.model.parameters() if p.dim() == 4 and p.shape[1] > 1 and p.shape[-1] > 1), None)
+        self.cl = None if w is None else w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+
+@pytest.fixture
+def measured(monkeypatch):
+    "A CPU class where NHWC was measured faster for dense fp32 conv nets and slower for depthwise ones"
+    monkeypatch.setitem(layout._cpu_nhwc, ('avx2', 'fp32', 'dense'), (True, 'made up'))
+    monkeypatch.setitem(layout._cpu_nhwc, ('avx2', 'fp32', 'depthwise'), (False, 'made up'))
+    return cpu_caps('avx2')
+
+def fit(learn, caps):
+    with assume_capabilities(caps), learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    return learn
+
+@pytest.mark.parametrize('net,expected', [(dense_net, True), (depthwise_net, False), (mlp, None)])
+def test_auto_layout_follows_the_plan(measured, net, expected):
+    learn = fit(Learner(img_dls(), net(), loss_func=nn.MSELoss(), cbs=(lay := Layout())).to_half('auto'), measured)
+    assert lay.cl == expected
+    p = learn.model_to_half.plan
+    assert p.channels_last == bool(expected) and ('measured' in p.layout or 'no 2d convolutions' in p.layout)
+    assert ('channels_last' if expected else 'NCHW') in p.describe() and fp32_everywhere(learn)
+    assert len([cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]) == 1  # to_half's one, deciding
+    learn.to_float()
+    assert not [cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]
+
+def test_auto_layout_says_so_when_it_picks_channels_last(measured, capsys):
+    learn = Learner(img_dls(), dense_net(), loss_func=nn.MSELoss()).to_half('bf16')  # fp32 math on this class
+    with assume_capabilities(measured), learn.no_bar(): learn.fit(1, 1e-2)
+    out = capsys.readouterr().out
+    assert "to_half('bf16') on cpu" in out and 'channels_last (fp32 dense convolutions measured faster NHWC on avx2: made up)' in out
+
+def test_explicit_false_is_respected(measured):
+    learn = fit(Learner(img_dls(), dense_net(), loss_func=nn.MSELoss(), cbs=(lay := Layout())).to_half('auto', channels_last=False), measured)
+    assert lay.cl is False and learn.model_to_half.plan.channels_last is False
+    assert not [cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]
+
+@pytest.mark.parametrize('arg', [None, True])
+def test_users_own_channels_last_is_kept_and_not_doubled(arg):
+    "Where NHWC is not preferred (a depthwise net), the user's ChannelsLast still puts the fit in channels_last"
+    learn = Learner(img_dls(), depthwise_net(), loss_func=nn.MSELoss(), cbs=[ChannelsLast(), lay := Layout()]).to_half('auto', channels_last=arg)
+    fit(learn, cpu_caps('avx2'))
+    assert lay.cl is True and learn.model_to_half.plan.channels_last is True
+    assert [type(cb) for cb in learn.cbs if isinstance(cb, ChannelsLast)] == [ChannelsLast]
+    learn.to_float()
+    assert [type(cb) for cb in learn.cbs if isinstance(cb, ChannelsLast)] == [ChannelsLast]  # the user's stays
+
+def test_not_measured_stays_nchw():
+    "A class or kind nobody measured: NCHW, and the plan says why"
+    p = plan_fit(cpu_caps('arm_bf16'), 'auto', model=dense_net())
+    assert p.channels_last is False and 'not measured' in p.layout
+
+def test_measured_table_is_what_the_plan_goes_by():
+    for (cls, k, kind), fast in layout._cpu_nhwc.items():
+        plan = plan_precision(cpu_caps(cls), 'bf16', fp32_math=k == 'fp32')  # convolutions in fp32 (fp32 math) or bf16
+        assert prefers_channels_last(cpu_caps(cls), plan, kind)[0] == fast[0], (cls, k, kind)
