@@ -57,6 +57,9 @@ def train(model:nn.Module, dls:DataLoaders,
     learn = Learner(dls, model, loss_func=loss, opt_func=opt, lr=lr)
     # on a CPU, fp16 runs as on a GPU (half storage, fp32 accumulation): `to_half`'s default `fp32_math='auto'`
     if setup is not None: RECIPES[setup](learn) if isinstance(setup, str) else learn.to_half(**setup)
+    # the claims are about precision: NCHW, as the study ran (`to_half`'s own memory format is `bench`'s subject; its
+    # convolutions' other summation order is one more rounding in runs as chaotic as the loss study's)
+    learn.remove_cbs([cb for cb in learn.cbs if getattr(cb, '_fp16_auto', False)])
     losses, err = _Losses(), ''
     with learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging():
         try: learn.fit(epochs)
