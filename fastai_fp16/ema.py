@@ -30,7 +30,7 @@ def _ema_dtype(t:torch.Tensor)->torch.dtype: return torch.promote_types(t.dtype,
 # %% ../nbs/13a_ema.ipynb #5e3a0c10
 class _Run:
     "A fit's state (`EMA._run`): the model's tensors paired with their averages from the first training batch"
-    pairs, value, saved, cancelled, steps = None, None, None, False, 0
+    pairs, value, live, saved, cancelled, steps = None, None, None, None, False, 0
 
 class EMA(Callback):
     "An fp32 exponential moving average of the weights, from the fp32 masters in a half fit; for validation and export"
@@ -76,12 +76,19 @@ class EMA(Callback):
         mth = next(iter(_role(self.learn, 'model')), None)
         r.value = mth.fp32_value if mth is not None else torch.Tensor.detach  # the true fp32 value of a model tensor
         r.pairs = self._pairs(self.learn.model)
-        if r.pairs is not None: return  # an earlier fit's average goes on
+        if r.pairs is not None: return self._live(mth)  # an earlier fit's average goes on
         if self.avg: warnings.warn("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
                                    "the average starts again from the weights.", stacklevel=2)
         ts = _tracked(_unwrap(self.learn.model), self.buffers == 'ema')
         self.avg, self.n_updates = {n: r.value(t).to(_ema_dtype(t), copy=True) for n,t in ts}, 0
         r.pairs = self._pairs(self.learn.model)
+        self._live(mth)
+
+    def _live(self, mth):
+        "The tensors the optimizer steps in place (masters, fp32 params), found once a fit: no lookup per tensor per step"
+        r = self._run
+        srcs = [mth.fp32_source(t) if mth is not None else t.detach() for t,_ in r.pairs]
+        if all(s is not None for s in srcs): r.live = srcs  # else (no master for some) `r.value` each update
 
     def after_cancel_step(self):
         r = getattr(self, '_run', None)
@@ -96,7 +103,8 @@ class EMA(Callback):
         n, d = self.n_updates, self.decay
         if self.warmup: d = min(d, (1+n) / (10+n))
         ts, avgs = zip(*r.pairs)
-        with torch.no_grad(): torch._foreach_lerp_(list(avgs), [r.value(t) for t in ts], 1. - d)  # avg += (1-d)*(w - avg)
+        vals = r.live if r.live is not None else [r.value(t) for t in ts]
+        with torch.no_grad(): torch._foreach_lerp_(list(avgs), vals, 1. - d)  # avg += (1-d)*(w - avg)
         self.n_updates = n + 1
 
     def _swap_in(self, pairs:list)->list:

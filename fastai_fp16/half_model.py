@@ -244,11 +244,16 @@ class ModelToHalf(Callback):
         # silent under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics')
         if getattr(getattr(self.learn, 'logger', print), '__name__', '') != 'noop': print(plan.describe())
 
-    def fp32_value(self, t:torch.Tensor)->torch.Tensor:
-        "The true fp32 value of model tensor `t` during the fit (its master, its kept value, or its trained half value)"
+    def fp32_source(self, t:torch.Tensor)->torch.Tensor|None:
+        "The tensor holding `t`'s fp32 value for the rest of the fit, stepped in place (its master, or `t` if not converted), or None"
         if id(t) not in getattr(self, '_stash', {}): return t.detach()
         src = self._sources.get(id(t))
-        if src is not None: return src.detach()
+        return None if src is None else src.detach()
+
+    def fp32_value(self, t:torch.Tensor)->torch.Tensor:
+        "The true fp32 value of model tensor `t` during the fit (its master, its kept value, or its trained half value)"
+        src = self.fp32_source(t)
+        if src is not None: return src
         orig = self._stash[id(t)][1]
         # untouched since kept: the kept value; changed (trained without a master) or moved: its own value
         return orig if _unchanged(t.data, orig) else t.data.float()
