@@ -17,7 +17,7 @@ from fastai.torch_core import set_seed
 from fastai.callback.schedule import *  # fit_one_cycle
 import fastai.callback.fp16  # patches Learner.to_fp16 (for the fastai_native recipe)
 from .callbacks import ModelToHalf, MixedPrecision
-from .half_model import _find_cb
+from .fit_guard import _find_cb
 from .scaler import LossScaleError
 from .hardware import _fp32_math_arg
 from .memory import PeakMemory

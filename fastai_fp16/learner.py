@@ -35,7 +35,7 @@ def to_half(self:Learner,
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
-    "Train in half precision with fp32 masters, fp32 BatchNorm and loss scaling"
+    "Train in half precision: fp32 params at rest, half copies in flight, fp32 BatchNorm and loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
@@ -80,9 +80,10 @@ def _opt_method(opt, name, f):
 def _save_with_scaler(save):
     @functools.wraps(save)
     def _save(self, file, **kwargs):
-        mp = _mixed(self)
-        if mp is None or getattr(self, 'opt', None) is None: return save(self, file, **kwargs)
-        with _opt_method(self.opt, 'state_dict', mp.opt_state_dict): return save(self, file, **kwargs)
+        mp, opt = _mixed(self), getattr(self, 'opt', None)
+        if mp is None or opt is None: return save(self, file, **kwargs)
+        sd = opt.state_dict  # the optimizer's own (the model's params, fp32), and the loss scaler's state with it
+        with _opt_method(opt, 'state_dict', lambda: {**sd(), 'mixed_precision': mp.state_dict()}): return save(self, file, **kwargs)
     _save._fp16 = True
     return _save
 
@@ -91,8 +92,6 @@ def _load_with_scaler(load):
     def _load(self, file, device=None, **kwargs):
         mp = _mixed(self)
         if mp is None: return load(self, file, device=device, **kwargs)
-        if mp.active: raise RuntimeError("`learn.load` in the middle of a half-precision fit would be overwritten by the fp32 "
-                                         "masters. Load before `fit` or after it.")
         if self.opt is None: self.create_opt()
         load_sd, err = self.opt.load_state_dict, []
         def _load_sd(sd):

@@ -10,7 +10,7 @@ from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from fastai.learner import ValueMetric
 from .callbacks import ModelToHalf, MixedPrecision
-from .half_model import _find_cb
+from .fit_guard import _find_cb
 
 # %% auto #0
 __all__ = ['PrecisionMonitor']

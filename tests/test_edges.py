@@ -49,18 +49,15 @@ def test_failed_get_preds_inside_a_fit_takes_back_only_its_nesting():
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 def test_a_parts_state_dict_during_a_fit_holds_fp32_values(dtype):
+    "A part's checkpoint at `after_epoch` (a GAN's generator, an encoder): fp32, the values the fit trained and ends with"
     class PartState(Callback):
         order = 20
-        def after_epoch(self):
-            mth = self.learn.model_to_half
-            self.part = self.model[0].state_dict()
-            self.true = {n: mth.fp32_value(p).clone() for n,p in self.model[0].named_parameters()}
-            self.dtypes = {p.dtype for p in self.model[0].parameters()}
+        def after_epoch(self): self.part = {k: v.clone() for k,v in self.model[0].state_dict().items()}
+        def after_pred(self): self.dtypes = {p.dtype for p in self.model[0].parameters()}
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=(ps := PartState())).to_half(dtype)
     _quiet_fit(learn, 2, 1e-2)
-    assert ps.dtypes == {half_dtype(dtype)}  # the part was half when its checkpoint was taken
+    assert ps.dtypes == {half_dtype(dtype)}  # the part computed in half
     assert {v.dtype for v in ps.part.values()} == {torch.float32}
-    for n,v in ps.true.items(): assert torch.equal(ps.part[n], v)
     for n,p in learn.model[0].named_parameters(): assert torch.equal(ps.part[n], p)  # the fit's last values
 
 def _awd_lstm_learner(dtype, model=None, cbs=None):
@@ -84,17 +81,24 @@ class KeepsState(nn.Module):
         self.hidden = tuple(t.detach() for t in h)
         return self.out(out)
 
+class StateDtype(Callback):
+    "The dtypes of the hidden state the LSTM gets in flight, and of the state the model holds after the fit"
+    order = 20
+    def before_fit(self): self.seen = set()
+    def after_pred(self):
+        h = getattr(self.model, 'hidden', None)
+        if h is not None: self.seen.add(h[0].dtype)
+
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
-@pytest.mark.parametrize('arch', ['awd_lstm', 'keeps_state'])
-def test_rnn_state_from_before_the_fit_gets_a_hint_that_names_it(dtype, arch):
-    learn = _awd_lstm_learner(dtype) if arch == 'awd_lstm' else _awd_lstm_learner(dtype, model=KeepsState())  # no ModelResetter
-    with pytest.raises(RuntimeError) as e: _quiet_fit(learn, 1, 1e-3)
-    notes = ' '.join(getattr(e.value, '__notes__', []))
-    assert 'state kept from before the fit' in notes and 'ModelResetter' in notes
-    assert fp32_everywhere(learn)
-    if arch == 'awd_lstm': return  # (fastai 2.8's AWD_LSTM.reset fails on torch 2.14's LSTM, in fp32 too)
-    learn = _awd_lstm_learner(dtype, KeepsState(), cbs=ModelResetter())  # what the hint says: it trains
+def test_rnn_state_made_at_rest_is_cast_in_flight(dtype):
+    "An RNN's hidden state made fp32 (before the fit, or by fastai's `ModelResetter` at rest) meets half weights: cast, as autocast does"
+    # (fastai 2.8.7's AWD_LSTM fails on torch 2.14's LSTM from its second batch, in fp32 too: a model of the same kind)
+    learn = _awd_lstm_learner(dtype, model=KeepsState())
+    _quiet_fit(learn, 1, 1e-3)  # a hidden state made with the model, before the fit: fp32
+    assert all(torch.isfinite(l) for l in learn.recorder.losses) and fp32_everywhere(learn)
+    learn = _awd_lstm_learner(dtype, KeepsState(), cbs=[ModelResetter(), sd := StateDtype()])  # reset at rest: fp32
     _quiet_fit(learn, 1, 1e-3)
+    assert sd.seen == {half_dtype(dtype)} and learn.model.hidden[0].dtype == torch.float32  # reset after the fit, at rest
     assert fp32_everywhere(learn) and all(torch.isfinite(l) for l in learn.recorder.losses)
 
 class MakesFp32(nn.Module):

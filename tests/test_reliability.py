@@ -9,21 +9,20 @@ from fastai_fp16.all import *
 from helpers import *
 
 class Snap(Callback):
-    "Weights before and after training batch `at`, and the masters after every step"
-    order = 100
+    "Weights before and after training batch `at`, and after every step: at rest, fp32 (before our `before_batch`)"
+    order = 0
     def __init__(self, at): self.at = at
     def before_batch(self):
         if self.training and self.iter == self.at: self.before = params(self.learn)
     def after_batch(self):
         if self.training and self.iter == self.at: self.after = params(self.learn)
-    def after_step(self): self.masters = [self.model_to_half.fp32_value(p).clone() for p in self.model.parameters()]
+    def after_step(self): self.masters = params(self.learn)  # at rest: the fp32 params the optimizer stepped
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_nan_batch_is_skipped(flat):
+def test_nan_batch_is_skipped():
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[16:24] = float('nan')  # the third training batch
     snap = Snap(2)
-    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256., flat_master=flat)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256.)
     learn.fit(1, 1e-2)
     mp = learn.mixed_precision
     assert mp.skipped == 1 and mp.loss_scale == 256.          # skipped, and the scale not blamed
@@ -31,14 +30,13 @@ def test_nan_batch_is_skipped(flat):
     assert all(torch.isfinite(p).all() for p in learn.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(snap.after, params(learn)))  # later batches trained
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_nan_micro_batch_skips_its_step(flat):
+def test_nan_micro_batch_skips_its_step():
     "With GradientAccumulation, a NaN in a step's first micro-batch (not its last) still skips that step, without blame"
     from fastai.callback.training import GradientAccumulation
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[0:8] = float('nan')  # the first batch of the first 4-batch step
     learn = Learner(dls_from(x, y, bs=8), tiny_model(bn=False), loss_func=nn.MSELoss(), opt_func=Adam,
-                    cbs=GradientAccumulation(32)).to_half(init_scale=256., flat_master=flat)
+                    cbs=GradientAccumulation(32)).to_half(init_scale=256.)
     w = params(learn)
     learn.fit(1, 1e-2)  # 6 batches: the step after batch 4 is skipped, the last 2 do not step
     mp = learn.mixed_precision
@@ -54,13 +52,12 @@ class BNSnap(Callback):
     def after_batch(self):
         if self.training and self.iter == self.last: self.after = [b.clone() for b in self.model.buffers()]
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_nan_value_leaves_batchnorm_stats_exact(flat):
+def test_nan_value_leaves_batchnorm_stats_exact():
     "Issue 14: one NaN value skips the step and leaves running_mean/var and num_batches_tracked as before that batch"
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[17, 2] = float('nan')  # one value, in the third training batch
     snap = BNSnap(2, 2)
-    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256., flat_master=flat)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256.)
     learn.fit(1, 1e-2)
     assert learn.mixed_precision.skipped == 1
     assert len(snap.before) == 3 and all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
@@ -97,13 +94,12 @@ def test_consecutive_skips_raise():
     learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half(init_scale=4., dynamic=False, max_consecutive_skips=5)
     with pytest.raises(LossScaleError, match='5 optimizer steps in a row'): learn.fit(1, 1e-2)
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_exception_mid_fit_leaves_learner_usable(flat):
+def test_exception_mid_fit_leaves_learner_usable():
     class Boom(Callback):
         def after_loss(self):
             if self.training and self.iter == 3: raise RuntimeError('boom')
     snap = Snap(-1)
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=[Boom(), snap]).to_half(init_scale=256., flat_master=flat)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=[Boom(), snap]).to_half(init_scale=256.)
     with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
     got = torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()])
     assert torch.equal(got, torch.cat([m.reshape(-1) for m in snap.masters]))  # the model holds the masters' values
@@ -162,17 +158,13 @@ def test_wrong_use_is_caught_at_before_fit():
         def before_fit(self): self.model[3].bias = nn.Parameter(torch.zeros(2, device='meta'))
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=Split()).to_half()
     with pytest.raises(ValueError, match='needs the model on one device'): learn.fit(1)
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=lambda p, lr: OptimWrapper(p, torch.optim.SGD, lr=lr)).to_half(flat_master=True)
-    with pytest.raises(ValueError, match="flat_master=False"): learn.fit(1)
-    assert fp32_everywhere(learn)
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
     learn.add_cb(ModelToHalf())
     with pytest.raises(ValueError, match='more than once'): learn.fit(1)
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_resume_from_save_model_callback(flat):
+def test_resume_from_save_model_callback():
     tmp = Path(tempfile.mkdtemp())
-    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp).to_half(flat_master=flat, growth_interval=4)
+    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp).to_half(growth_interval=4)
     a = mk()
     a.fit(3, 1e-2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
     sd = torch.load(tmp/'models/model_0.pth', weights_only=False)
@@ -183,14 +175,17 @@ def test_resume_from_save_model_callback(flat):
     for x, y in zip(params(a), params(b)): assert torch.equal(x, y)
     assert a.mixed_precision.state_dict() == b.mixed_precision.state_dict()
 
-def test_load_during_fit_is_refused():
-    tmp = Path(tempfile.mkdtemp())
+def test_load_during_fit_goes_on_from_the_loaded_weights(tmp_path):
+    "`learn.load` from a callback mid-fit: the rest of the fit trains from the loaded weights, optimizer state and loss scale"
     class Loader(Callback):
-        def after_epoch(self): self.learn.load('w')
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half()
-    learn.save('w')
-    with pytest.raises(RuntimeError, match='middle of a half-precision fit'): learn.fit(1, cbs=Loader())
-    assert fp32_everywhere(learn)
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.load('w')
+    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half(init_scale=256.)
+    a = mk(); a.fit(1, 1e-2); a.save('w')  # weights, Adam's state and the loss scaler's
+    b = mk(); b.fit(2, 1e-2, cbs=Loader())  # epoch 0 trains from other weights, then loads 'w'
+    c = mk(); c.load('w'); c.fit(1, 1e-2)   # what epoch 1 of b must be
+    assert all(torch.equal(x, y) for x, y in zip(params(b), params(c))) and fp32_everywhere(b)
+    assert b.mixed_precision.state_dict() == c.mixed_precision.state_dict()
 
 class Seen(Callback):
     "The dtypes of the model's params at each batch"
@@ -275,10 +270,11 @@ def test_export_loads_without_fastai_fp16(dtype):
     assert torch.allclose(torch.tensor(got['pred']), expected, atol=1e-6), (got['pred'], expected)
 
 class _Dtypes(Callback):
-    "The dtypes of the model's weights and of BatchNorm's params and running stats at the training steps"
+    "The dtypes of the model's weights and of BatchNorm's params and running stats in the training forwards"
     order = 20
     def before_fit(self): self.seen = set()
-    def before_step(self):
+    def after_pred(self):
+        if not self.training: return
         bn = self.model[1]
         self.seen.add((self.model[0].weight.dtype, bn.weight.dtype, bn.running_var.dtype))
 
@@ -331,13 +327,31 @@ def test_fastai_mixed_precision_with_our_model_to_half_names_both():
     assert 'fastai_fp16.callbacks.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
     assert fp32_everywhere(learn)
 
-def test_gradient_clip_refusal_says_to_float_first():
-    "Issue 14.6: what the message says works: `to_float()`, then `to_half(clip=...)`"
+class _NormAfterClip(Callback):
+    "The global norm of the grads the optimizer steps (after fastai's GradientClip, order 11)"
+    order = 20
+    def before_fit(self): self.norms = []
+    def before_step(self):
+        gs = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs])).item())
+
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_fastai_gradient_clip_clips_the_fp32_unscaled_grads(dtype):
+    "fastai's GradientClip with `to_half()` clips the fp32 params' unscaled grads: it moves as fp32 + GradientClip does"
     from fastai.callback.training import GradientClip
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
-    with pytest.raises(ValueError, match=r'`learn.to_float\(\)`, then `learn.to_half\(clip=max_norm'): learn.fit(1, cbs=GradientClip())
-    learn.to_float().to_half(clip=1.).fit(1, 1e-2)
-    assert fp32_everywhere(learn)
+    runs = []
+    for how in ('fp32', 'half', 'clip='):
+        spy = _NormAfterClip()
+        learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=SGD, cbs=spy)
+        if how != 'fp32': learn.to_half(dtype, init_scale=256., **(dict(clip=0.05) if how == 'clip=' else {}))
+        w = params(learn)
+        learn.fit(1, 1e-2, cbs=[] if how == 'clip=' else GradientClip(0.05))
+        runs.append(([b - a for a, b in zip(w, params(learn))], spy.norms))
+        if how != 'fp32': assert learn.mixed_precision.skipped == 0 and fp32_everywhere(learn)
+    (d32, n32), (dh, nh), (dc, nc) = runs
+    assert max(nh) <= 0.05 * (1 + 1e-4) and max(nc) <= 0.05 * (1 + 1e-4) and len(nh) == len(n32) == 6
+    for a, b, c in zip(d32, dh, dc):
+        assert torch.allclose(b, a, rtol=0.2, atol=2e-4) and torch.equal(b, c)  # as fp32; `clip=` is the same clip
 
 class _NewZeros(nn.Module):
     "A forward that makes an fp32 tensor of its own (`torch.zeros` without a dtype) and adds it to a half activation"

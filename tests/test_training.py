@@ -18,60 +18,41 @@ def test_nvidia_recipe_equals_learner():
     assert learn.mixed_precision.scales == [128.]*steps
     for a, b in zip(learn.model.parameters(), master_params): assert torch.equal(a, b)
 
-class _NFlat(Callback):
-    order = 20
-    def before_step(self): self.n = len(self.learn.opt.param_lists[0])
-
-def test_flat_and_per_param_masters_agree():
-    "Per-param masters, one flat buffer, and flat buffers cut in chunks (here of at most 20 elements) train alike"
-    res, ns = [], []
-    for flat, numel in ((False, None), (True, None), (True, 20)):
-        nf = _NFlat()
-        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=nf).to_half(flat_master=flat)
-        if numel: learn.mixed_precision.flat_numel = numel
-        learn.fit(2, 1e-2)
-        res.append(params(learn))
-        ns.append(nf.n)  # what the optimizer's group holds: params, or flat buffers
-    assert ns[0] == 6 and 1 < ns[1] < ns[2] < 6, ns  # buffers per set of options (do_wd...), more when chunked
-    for a, b, c in zip(*res): assert torch.equal(a, b) and torch.equal(a, c)
+def test_flat_master_is_retired_with_a_clear_error():
+    with pytest.raises(ValueError, match='flat_master=True was retired'): Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half(flat_master=True)
 
 class _OptState(Callback):
-    "Adam's per-param state as the optimizer holds it at the last step of the fit (masters, flat or not)"
+    "Adam's per-param state as the optimizer holds it at the last step of the fit"
     order = 20
-    def after_step(self):
-        mp = self.learn.mixed_precision
-        self.state = [[s[k].clone() for k in ('grad_avg', 'sqr_avg')] for s in mp.opt_state_dict()['state']]
+    def after_step(self): self.state = [[s[k].clone() for k in ('grad_avg', 'sqr_avg')] for s in self.learn.opt.state_dict()['state']]
 
-def test_flat_masters_keep_channels_last():
-    "A channels_last bf16 conv net: flat masters (strided like the params) train exactly as per-param ones"
+def test_channels_last_params_grads_and_state():
+    "A channels_last bf16 conv net: its params, their fp32 grads and Adam's state stay channels_last, and it trains"
     x, y = torch.rand(48, 3, 16, 16), torch.randint(0, 2, (48,))
-    res = []
-    for flat in (False, True):
-        torch.manual_seed(0); st = _OptState()
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
-        learn = Learner(dls_from(x, y, bs=8), model, loss_func=CrossEntropyLossFlat(), opt_func=Adam, cbs=st)
-        learn.to_half(torch.bfloat16, flat_master=flat, channels_last=True)
-        learn.fit(1, 1e-2)
-        assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last)
-        res.append((params(learn), st.state))
-    (w0, s0), (w1, s1) = res
-    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
-    assert all(torch.equal(a, b) and a.stride() == b.stride() for sa, sb in zip(s0, s1) for a, b in zip(sa, sb))
+    torch.manual_seed(0); st = _OptState()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(dls_from(x, y, bs=8), model, loss_func=CrossEntropyLossFlat(), opt_func=Adam, cbs=st)
+    learn.to_half(torch.bfloat16, channels_last=True)
+    w = params(learn)
+    learn.fit(1, 1e-2)
+    cl = lambda t: t.is_contiguous(memory_format=torch.channels_last)
+    assert cl(learn.model[0].weight) and cl(learn.model[3].weight)
+    assert all(a.stride() == p.stride() for p, s in zip(learn.model.parameters(), st.state) for a in s)
+    assert any(not torch.equal(a, b) for a, b in zip(w, params(learn))) and fp32_everywhere(learn)
 
 def test_growth_after_interval():
     learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss()).to_half(init_scale=4., growth_interval=2)
     learn.fit(1, 1e-3)
     assert learn.mixed_precision.scales == [4., 4., 8., 8., 16., 16.]
 
-@pytest.mark.parametrize('flat', [False, True])
-def test_clip_bounds_master_grad_norm(flat):
+def test_clip_bounds_master_grad_norm():
     spy = StepSpy()
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half(clip=0.05, flat_master=flat)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half(clip=0.05)
     learn.fit(1, 1e-2)
     assert spy.steps + learn.mixed_precision.skipped == 6 and spy.steps >= 4
     assert max(spy.norms) <= 0.05 * (1 + 1e-4)
     spy2 = StepSpy()
-    Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half(flat_master=flat).fit(1, 1e-2)
+    Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half().fit(1, 1e-2)
     assert max(spy2.norms) > 0.05  # so the clip did something
 
 def test_after_fit_state():
@@ -174,14 +155,14 @@ class _FirstBatchOnly(Callback):
     def before_batch(self): self.model.use_idle = self.training and self.iter == 0 and self.epoch == 0
     def after_step(self): self.ws.append(self.model.idle.weight.detach().float().clone())
 
-@pytest.mark.parametrize('flat,keep', [(False, True), (False, False), (True, None)])
-def test_params_that_stop_getting_grads_step_as_in_fp32(flat, keep):
+@pytest.mark.parametrize('keep', [True, False, None])
+def test_params_that_stop_getting_grads_step_as_in_fp32(keep):
     "fastai zeroes grads in place, so a param that had a grad keeps stepping on zeros (Adam momentum, wd): ours too"
     runs = []
     for half in (False, True):
         torch.manual_seed(0); rec = _FirstBatchOnly()
         learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=rec)
-        if half: learn.to_half(flat_master=flat, keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
+        if half: learn.to_half(keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
         learn.fit(2, 1e-2)
         runs.append(rec.ws)
     (fp32, ours) = runs
@@ -230,7 +211,8 @@ class _Count(nn.Module):
 class _Seen(Callback):
     order = 20
     def before_fit(self): self.dtypes = set()
-    def before_step(self): self.dtypes.add((self.model[0].lin.weight.dtype, self.model[1][0].weight.dtype))
+    def after_pred(self):  # in flight: the model computes in half
+        if self.training: self.dtypes.add((self.model[0].lin.weight.dtype, self.model[1][0].weight.dtype))
 
 @pytest.mark.parametrize('keep', [None, '0.n', '0', _Count])
 def test_keep_fp32_keeps_updated_buffers_exact(keep):
