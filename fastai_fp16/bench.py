@@ -4,12 +4,12 @@
 
 # %% ../nbs/20_bench.ipynb #e2efd276
 from __future__ import annotations
-import copy, gc, json as jsonlib, operator, statistics, sys, time
+import copy, gc, json as jsonlib, operator, statistics, sys
 from contextlib import contextmanager, nullcontext
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
 from fastcore.script import call_parse, bool_arg
-from fastai.callback.core import Callback, CancelValidException
+from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.torch_core import to_float
@@ -26,31 +26,8 @@ from .bench_overhead import _sync
 from .cli_parser import cli_parser, dashed
 
 # %% auto #0
-__all__ = ['cpu_variants', 'cuda_variants', 'SynthDL', 'SkipValid', 'StepTimer', 'Autocast', 'variant_label', 'run_variant',
-           'e2e_bench', 'machine_info', 'markdown_table', 'bench', 'bench_main']
-
-# %% ../nbs/20_bench.ipynb #40dc0a7c
-class SynthDL:
-    "`n` batches cycled from the in-memory `batches` (tuples of tensors), as a fastai training `DataLoader`"
-    def __init__(self, batches:list, n:int): self.batches, self.n, self.device = batches, n, None
-    def to(self, device): self.device = device  # the batches are there already; fastai's callbacks ask `dls.device`
-    def __len__(self): return self.n
-    def __iter__(self): return (self.batches[i % len(self.batches)] for i in range(self.n))
-
-class SkipValid(Callback):
-    "Skip validation (nothing to validate on synthetic data)"
-    def before_validate(self): raise CancelValidException()
-
-class StepTimer(Callback):
-    "Wall time (`self.times`) and process CPU time (`self.cpu_times`) of each training step of a fit, in ms"
-    order = -100  # first at `before_batch`: the input casts of other callbacks are part of the step
-    def before_train(self): self._ts = []
-    def _stamp(self):
-        if self.training: _sync(); self._ts.append((time.perf_counter(), time.process_time()))
-    def before_batch(self): self._stamp()
-    def after_train(self):
-        self._stamp()
-        self.times, self.cpu_times = ([(b[i] - a[i]) * 1e3 for a,b in zip(self._ts, self._ts[1:])] for i in (0,1))
+__all__ = ['cpu_variants', 'cuda_variants', 'Autocast', 'variant_label', 'run_variant', 'e2e_bench', 'machine_info',
+           'markdown_table', 'bench', 'bench_main']
 
 # %% ../nbs/20_bench.ipynb #e08d63fe
 class Autocast(Callback):
@@ -254,6 +231,14 @@ def markdown_table(res:dict)->str:
         out += [f"| speedup (fastai/ours) | {s['list']:.1f}x | {s['flat']:.1f}x | {s['best']:.1f}x (target >= 3x: "
                 f"{'met' if o['met'] else 'NOT met'}) |", '',
                 'ours (list), by part: ' + ', '.join(f'{k} {v:.2f} ms' for k,v in o['ours_list_parts'].items()), '']
+    if 'batch_overhead' in res:
+        b = res['batch_overhead']
+        out += [f"What `to_half('{b['dtype']}', fp32_math=False)` adds to a training step with negligible compute (`stand_in_model`: "
+                f"resnet50's 161 params, {b['device']}, {b['threads'] or 'all'} thread(s), torch's fused AdamW on both sides; medians of "
+                f"{b['batches']} steps, median over {b['sweeps']} alternating sweeps):", '',
+                '| | fp32 | to_half | added |', '|---|---|---|---|',
+                f"| thread CPU ms/step | {b['fp32_ms']:.2f} | {b['half_ms']:.2f} | {b['overhead_ms']:+.2f} |",
+                f"| wall ms/step | {b['fp32_wall_ms']:.2f} | {b['half_wall_ms']:.2f} | {b['overhead_wall_ms']:+.2f} |", '']
     for e in e2e: out += _e2e_table(e)
     return '\n'.join(out)
 
@@ -270,6 +255,7 @@ def bench(device:str='cpu', # cpu or cuda
           rounds:int=1, # interleaved end-to-end sweeps (medians; ratios per sweep), against drift on a shared machine
           repeats:int=20, # timed repeats of the overhead benchmark (median)
           overhead:bool_arg=True, # run the optimizer-side overhead benchmark
+          batch:bool_arg=True, # run the per-batch overhead benchmark (negligible compute: what `to_half` adds to a step)
           e2e:bool_arg=True, # run the end-to-end benchmark
           threads:int=None, # torch CPU threads (default: torch's); 1 is steadier on a shared machine
           variants:str=None, # comma-separated end-to-end variants (default: every one the device runs)
@@ -282,6 +268,7 @@ def bench(device:str='cpu', # cpu or cuda
         for v in vs: _variant_cbs(v, torch.device(device))  # a bad name fails now, not after the first runs
     res = dict(machine=machine_info(device))
     if overhead: res['overhead'] = overhead_bench(overhead_arch, device=device, repeats=repeats)
+    if batch: res['batch_overhead'] = batch_overhead('bf16' if torch.device(device).type == 'cpu' else 'fp16', device=device)
     if e2e: res['e2e'] = [e2e_bench(arch, s, bs, steps, warmup, device, variants=vs, rounds=rounds, progress=True) for s in sizes]
     print(markdown_table(res))
     if json:

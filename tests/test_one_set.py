@@ -139,3 +139,19 @@ def test_one_host_sync_per_step(dtype, acc):
     sc = SyncCount()
     learn, _ = _fit(dtype, [sc] + ([GradientAccumulation(32)] if acc else []), epochs=2, lr=1e-3, opt_func=Adam)
     assert sc.steps == (6 if acc else 12) and sc.n == sc.steps + 1  # one a step; and once a fit, the buffers a forward changes
+
+@pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
+def test_torch_compile_compiles_no_more_than_fp32(dtype):
+    "A `torch.compile`d model: the half copies in flight are the same tensors each batch, so dynamo compiles as often as in fp32"
+    from torch._dynamo.utils import counters
+    graphs = []
+    for d in (None, dtype):
+        torch._dynamo.reset(); counters.clear()
+        m = tiny_model()
+        learn = Learner(synth_dls(n=128, bs=16), torch.compile(m, backend='aot_eager'), loss_func=nn.MSELoss())
+        if d: learn.to_half(d, init_scale=256.)
+        w = [p.detach().clone() for p in m.parameters()]
+        with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+        graphs.append(counters['stats']['unique_graphs'])
+        assert any(not torch.equal(a, b) for a, b in zip(w, m.parameters())) and fp32_everywhere(learn)
+    assert graphs[1] == graphs[0] and not counters['recompiles'], (graphs, dict(counters['recompiles']))
