@@ -143,11 +143,12 @@ def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, 
 @call_parse
 def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
                no_bench:bool=False, # the report only, without the micro-benchmark
-               channels:int=32, # micro-benchmark: channels of the conv layer
-               size:int=32, # micro-benchmark: input height and width
+               channels:int=None, # micro-benchmark: channels of the conv layer (default: 32 on a CPU, 256 on a GPU)
+               size:int=None, # micro-benchmark: input height and width (default: 32 on a CPU, 56 on a GPU)
               ):
     "Print the hardware, which half dtypes and memory formats are fast on it (measured) and the `to_half` call to use"
-    if channels < 1 or size < 3: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {channels} and {size}.")
+    bad = [f"--{k} {v}" for k,v,lo in (('channels', channels, 1), ('size', size, 3)) if v is not None and v < lo]
+    if bad: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {' and '.join(bad)}.")
     return doctor(_device(device), not no_bench, channels=channels, size=size)
 
 # %% ../nbs/12_cli.ipynb #a681ba96
