@@ -8,6 +8,9 @@
 
 tests/conftest.py applies them to `pytest -q tests`, tools/run_nbs.py to each notebook; `nbdev_test` has no hook for them."""
 import os, sys
+from contextlib import ExitStack
+
+_held = ExitStack()  # the modes' contexts, held for the life of the process (a context left unreferenced would close)
 
 def set_default_device(device:str):
     "Make fastai's `default_device()` return `device`, in `fastai.torch_core` and in every module that imported the name"
@@ -31,5 +34,5 @@ def pretend_from_env():
     if dev: set_default_device(dev)
     if cls:
         from fastai_fp16.hardware import assume_capabilities, cpu_caps
-        assume_capabilities(cpu_caps(cls)).__enter__()  # never left: for the rest of the process
+        _held.enter_context(assume_capabilities(cpu_caps(cls)))
     if dev or cls: print(f"tools/pretend.py: default_device() {dev or 'as is'}, CPU class {cls or 'as detected'}", file=sys.stderr)
