@@ -16,7 +16,7 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed
 from .data import digits_dls, imagenette_dls
-from .experiments import RECIPES, archs, compare, plot_losses, plot_loss_scale
+from .experiments import RECIPES, archs, compare, cudnn_state, plot_losses, plot_loss_scale
 from .bench import bench
 from .cli_parser import cli_parser, dashed
 from .doctor import doctor
@@ -84,6 +84,8 @@ def write_results(res:pd.DataFrame, out:str|Path, note:str='')->Path:
     return out
 
 # %% ../nbs/12_cli.ipynb #9ab8ed99
+def _det(deterministic:bool)->str: return f"cuDNN deterministic: {'yes' if deterministic else 'no'}"
+
 @call_parse
 def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every recipe the device can run)
                 data:str='digits', # digits (embedded), imagenette (downloaded) or the path of an Imagenette-style folder
@@ -96,6 +98,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 device:str=None, # cpu or cuda (default: cuda when available)
                 seed:int=42, # seed for the initial weights, shuffling and augmentation
                 fp32_math:str='auto', # convs and linear layers of half models in fp32 math: auto (where the dtype is slow here), on, off
+                deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
     "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots"
     device = _device(device)
@@ -103,9 +106,10 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
     arch, names, f32 = _arch(arch, data, device), _recipes(recipes, device), _fp32_math(fp32_math)
     # progress bars in a terminal; written to a file or a pipe, one line per epoch instead of every bar frame
     res = compare(names, dls_fn, arch=arch, epochs=epochs, lr=lr, bs=bs, seed=seed, fp32_math=f32, show=True,
-                  bar=sys.stdout.isatty(), size=size, device=device)
+                  bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
-    note = f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, on {gpu}, torch {torch.__version__}."
+    note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
+            f"torch {torch.__version__}.")
     out = write_results(res, out, note)
     with pd.option_context('display.width', 200, 'display.max_columns', 20):
         print(res.drop(columns='error') if not res.error.any() else res)
@@ -121,6 +125,7 @@ def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, 
               out:str='fp16_train', # folder for the exported learner `model.pkl`
               device:str=None, seed:int=42,
               fp32_math:str='auto', # convs and linear layers in fp32 math: auto (where the dtype is slow here), on, off
+              deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
              ):
     "Train one model with the fastai_fp16 callbacks and export the learner"
     if precision not in ('fp32','fp16','bf16','auto'):
@@ -129,25 +134,27 @@ def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, 
     device = _device(device)
     dls_fn, size = _data(data, size)
     arch = _arch(arch, data, device)
-    set_seed(seed, reproducible=True)
+    set_seed(seed)
     dls = dls_fn(bs=bs, size=size, device=device)
     learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     if precision != 'fp32': learn.to_half(precision, fp32_math=f32)
-    with learn.no_bar() if not sys.stdout.isatty() else contextlib.nullcontext(): learn.fit_one_cycle(epochs, lr)
+    with cudnn_state(deterministic), learn.no_bar() if not sys.stdout.isatty() else contextlib.nullcontext():
+        learn.fit_one_cycle(epochs, lr)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     learn.export(out.absolute()/'model.pkl')
-    print(f"{precision} {arch} on {data}: valid loss {learn.recorder.values[-1][1]:.4f}, accuracy "
+    print(f"{precision} {arch} on {data}, {_det(deterministic)}: valid loss {learn.recorder.values[-1][1]:.4f}, accuracy "
           f"{learn.recorder.values[-1][2]:.4f}. Exported to {out/'model.pkl'}")
     return learn
 
 @call_parse
 def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
                no_bench:bool=False, # the report only, without the micro-benchmark
-               channels:int=32, # micro-benchmark: channels of the conv layer
-               size:int=32, # micro-benchmark: input height and width
+               channels:int=None, # micro-benchmark: channels of the conv layer (default: 32 on a CPU, 256 on a GPU)
+               size:int=None, # micro-benchmark: input height and width (default: 32 on a CPU, 56 on a GPU)
               ):
     "Print the hardware, which half dtypes and memory formats are fast on it (measured) and the `to_half` call to use"
-    if channels < 1 or size < 3: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {channels} and {size}.")
+    bad = [f"--{k} {v}" for k,v,lo in (('channels', channels, 1), ('size', size, 3)) if v is not None and v < lo]
+    if bad: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {' and '.join(bad)}.")
     return doctor(_device(device), not no_bench, channels=channels, size=size)
 
 # %% ../nbs/12_cli.ipynb #a681ba96

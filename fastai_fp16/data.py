@@ -36,7 +36,8 @@ def folder_dls(path:str|Path, # folder with `train/<class>/*` and `val/<class>/*
                                         f"subfolder (expected {path}/train/<class>/*.JPEG and {path}/val/<class>/*.JPEG).")
     if not isinstance(size, int) or size < 8: raise ValueError(f"size must be an integer >= 8 (pixels), got {size!r}.")
     batch_tfms = [] if aug is False else aug_transforms(size=size, **ifnone(aug, {}))
-    if normalize: batch_tfms.append(Normalize.from_stats(*imagenet_stats))
+    # made on the CPU (not fastai's default device, which is a GPU there whatever `device` says): the DataLoaders move them
+    if normalize: batch_tfms.append(Normalize.from_stats(*imagenet_stats, cuda=False))
     db = DataBlock((ImageBlock, CategoryBlock), get_items=get_image_files, splitter=GrandparentSplitter(valid_name='val'),
                    get_y=parent_label, item_tfms=Resize(ifnone(item_size, size)), batch_tfms=batch_tfms)
     if num_workers is not None: kwargs['num_workers'] = num_workers

@@ -12,7 +12,7 @@ from .fp32math import patch_fp32_math
 from .layout import plan_kind
 
 # %% auto #0
-__all__ = ['layer_variants', 'layer_bench', 'doctor']
+__all__ = ['layer_variants', 'bench_shape', 'layer_bench', 'doctor']
 
 # %% ../nbs/06_doctor.ipynb #88ca72eb
 layer_variants = ('fp32', 'bf16', 'fp16', 'bf16 storage, fp32 math', 'fp16 storage, fp32 math')
@@ -25,9 +25,20 @@ def _layer_step(conv:nn.Module, x:torch.Tensor, device):
         if device.type == 'cuda': torch.cuda.synchronize(device)
     return step
 
-def layer_bench(channels:int=32, # input and output channels
-                size:int=32, # height and width of the input
-                bs:int=8, # batch size
+# a GPU runs the CPU's small layer in microseconds: it would time kernel launches, not the layer; resnet50's middle
+# 3x3 convolutions are 64-512 channels at 56-7 px
+_shapes = dict(cpu=dict(channels=32, size=32, bs=8), cuda=dict(channels=256, size=56, bs=64))
+
+def bench_shape(device_type:str, # 'cpu' or 'cuda' (anything else: the CPU's)
+                channels:int|None=None, size:int|None=None, bs:int|None=None, # given ones are kept
+               )->dict: # channels, size, bs
+    "The convolution `layer_bench` times on `device_type`: small on a CPU, GPU-sized on CUDA; the sizes given are kept"
+    given = dict(channels=channels, size=size, bs=bs)
+    return {k: v if given[k] is None else given[k] for k,v in _shapes.get(device_type, _shapes['cpu']).items()}
+
+def layer_bench(channels:int|None=None, # input and output channels (default: `bench_shape`'s for the device)
+                size:int|None=None, # height and width of the input (default: `bench_shape`'s)
+                bs:int|None=None, # batch size (default: `bench_shape`'s)
                 device=None, # default: 'cuda' if available, else 'cpu'
                 layouts:tuple=(False, True), # memory formats to time: False NCHW, True channels_last (NHWC)
                 reps:int=15, # timings per variant and layout (at most), interleaved
@@ -36,6 +47,7 @@ def layer_bench(channels:int=32, # input and output channels
                )->dict: # variant -> {'NCHW': median ms, 'NHWC': median ms} of forward + backward
     "Median ms of one 3x3 convolution's forward and backward in fp32, native half and half with fp32 math, in each memory format"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
+    channels, size, bs = bench_shape(device.type, channels, size, bs).values()
     torch.manual_seed(0)
     base, x0 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), torch.randn(bs, channels, size, size)
     steps = {}
@@ -93,8 +105,8 @@ def doctor(device=None, # default: 'cuda' if available, else 'cpu'
     print(rep.describe(call=False))
     res, ms = dict(report=rep), None
     if bench:
-        ms = res['ms'] = layer_bench(device=device, **kwargs)
-        c, s, b = kwargs.get('channels', 32), kwargs.get('size', 32), kwargs.get('bs', 8)
+        c, s, b = bench_shape(device.type, *(kwargs.pop(k, None) for k in ('channels', 'size', 'bs'))).values()
+        ms = res['ms'] = layer_bench(c, s, b, device=device, **kwargs)
         ref = ms['fp32'].get('NCHW') or next(iter(ms['fp32'].values()))
         print(f"\nOne Conv2d({c}, {c}, 3) forward+backward, input {b}x{c}x{s}x{s}, on {device.type} (median ms; x: fp32 NCHW's time):")
         w = max(map(len, ms))

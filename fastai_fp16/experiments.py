@@ -5,6 +5,7 @@
 # %% ../nbs/11_experiments.ipynb #32b52507
 from __future__ import annotations
 import random, time, warnings
+from contextlib import contextmanager
 from functools import partial
 import numpy as np, pandas as pd
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -26,7 +27,7 @@ import fastai_fp16.learner  # patches Learner.to_half
 # %% auto #0
 __all__ = ['archs', 'RECIPES', 'soft_cap', 'capped_loss', 'small_cnn', 'tf_cnn', 'recipe', 'fp32', 'fp16_pure', 'fp16_bn32',
            'fp16_loss32', 'fp16_static_nomaster', 'fp16_master', 'bf16_master', 'fastai_native', 'nvidia_static128',
-           'nvidia_tf_cnn', 'run_recipe', 'compare', 'plot_losses', 'plot_loss_scale']
+           'nvidia_tf_cnn', 'cudnn_state', 'run_recipe', 'compare', 'plot_losses', 'plot_loss_scale']
 
 # %% ../nbs/11_experiments.ipynb #455ebef4
 def soft_cap(x:torch.Tensor, # loss (or any tensor)
@@ -123,6 +124,17 @@ def nvidia_tf_cnn(learn):
 # %% ../nbs/11_experiments.ipynb #286613c8
 def _dev(dls): return torch.device(getattr(dls, 'device', None) or 'cpu')
 
+@contextmanager
+def cudnn_state(deterministic:bool=False, # inside: cuDNN deterministic and its autotuner off (repeatable, slower)
+               ):
+    "cuDNN's `deterministic` and `benchmark` flags put back as they were when the block ends"
+    # fastai's `set_seed(reproducible=True)` sets them for the whole process, and leaves them so
+    cd = torch.backends.cudnn
+    old = cd.deterministic, cd.benchmark
+    if deterministic: cd.deterministic, cd.benchmark = True, False
+    try: yield
+    finally: cd.deterministic, cd.benchmark = old
+
 class _NativeSpy(Callback):
     "Loss scales and skipped steps of fastai's own `MixedPrecision` (which drops them after the fit)"
     order = 11
@@ -144,10 +156,11 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
                fp32_math='auto', # `to_half`'s: 'auto' (fp32 math where the dtype is slow here), True or False
                show:bool=False, # fastai's table of results per epoch
                bar:bool=True, # with `show`, its progress bars too
+               deterministic:bool=False, # cuDNN deterministic, no autotuner, during the fit (`cudnn_state`)
               )->tuple:
     "Train `model` (changed in place) under recipe `name`: (results row, learner, losses, loss scales)"
     if name not in RECIPES: raise ValueError(f"Unknown recipe {name!r}: use any of {', '.join(RECIPES)}.")
-    set_seed(seed, reproducible=True)
+    set_seed(seed)
     for dl in dls.loaders: dl.rng = random.Random(seed)
     learn = Learner(dls, model.to(_dev(dls)), loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr)
     learn.fit_method = 'fit_one_cycle'
@@ -157,7 +170,7 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     spy = _NativeSpy() if name == 'fastai_native' else None
     if spy: learn.add_cb(spy)
     err, t = '', time.perf_counter()
-    with warnings.catch_warnings(), PeakMemory(_dev(dls)) as mem:
+    with warnings.catch_warnings(), cudnn_state(deterministic), PeakMemory(_dev(dls)) as mem:
         ctx = (learn.no_bar(), learn.no_logging()) if not show else () if bar else (learn.no_bar(),)
         if show and not bar: learn.logger = _TableLog(learn)
         try:
@@ -187,6 +200,7 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
             fp32_math='auto', # `to_half`'s `fp32_math` for every half recipe
             show:bool=False, # show fastai's tables of results
             bar:bool=True, # with `show`, its progress bars too
+            deterministic:bool=False, # cuDNN deterministic, no autotuner, during the fits (`cudnn_state`)
             **dls_kwargs # more `dls_fn` kwargs (`size`, `device`...)
            )->pd.DataFrame: # one row per recipe; `.attrs` holds the loss and loss-scale curves
     "Run each recipe from the same initial weights and seed, and tabulate the results"
@@ -196,20 +210,20 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     if isinstance(arch, str):
         if arch not in archs: raise ValueError(f"Unknown arch {arch!r}: use any of {', '.join(archs)}.")
         arch = archs[arch]
-    set_seed(seed, reproducible=True)
+    set_seed(seed)
     dls = dls_fn(bs=bs, **dls_kwargs)
     size = dls.one_batch()[0].shape[-1]
-    set_seed(seed, reproducible=True)
+    set_seed(seed)
     init = arch(dls.c, size)
     rows, losses, scales = [], {}, {}
     for i,n in enumerate(names):
         if show: print(f"[{i+1}/{len(names)}] {n}: {RECIPES[n].__doc__}", flush=True)
         model = arch(dls.c, size); model.load_state_dict(init.state_dict())
-        row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, fp32_math, show, bar)
+        row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, fp32_math, show, bar, deterministic)
         rows.append(row)
     res = pd.DataFrame(rows).set_index('recipe')
     if res.peak_mem_mb.isna().all(): res = res.drop(columns='peak_mem_mb')  # not measured here (no CUDA, no Linux /proc)
-    res.attrs.update(losses=losses, scales=scales, bs=bs, epochs=epochs)
+    res.attrs.update(losses=losses, scales=scales, bs=bs, epochs=epochs, deterministic=deterministic)
     return res
 
 # %% ../nbs/11_experiments.ipynb #f1b53fc0

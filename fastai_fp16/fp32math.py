@@ -70,20 +70,22 @@ def _conv_fp32_forward(m, x, w, b):
     out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, m.stride, pad, m.dilation, False, (0,)*nd, m.groups)
     return out.squeeze(0) if unbatched else out
 
+# the weight and bias are read once a forward, as the modules' own code does: a parametrization runs at every read
+# (`spectral_norm`'s power iteration, `weight_norm`). Convolutions get them from `forward` as arguments.
 def _conv_t_fp32_forward(m, x, output_size=None):
     "`m.forward` of a transposed convolution in fp32 math when its weight is half"
-    w = m.weight
-    if w.dtype not in _half: return type(m).forward(m, x, output_size)
-    nd = w.dim() - 2
-    unbatched = x.dim() == nd + 1
-    if unbatched: x = x.unsqueeze(0)
+    w, b, nd = m.weight, m.bias, len(m.kernel_size)
     op = m._output_padding(x, output_size, m.stride, m.padding, m.kernel_size, nd, m.dilation)
-    out = ConvFp32.apply(x, w, m.bias, m.stride, m.padding, m.dilation, True, op, m.groups)
+    if w.dtype not in _half:  # the module's own code, on the weight read here
+        return getattr(F, f'conv_transpose{nd}d')(x, w, b, m.stride, m.padding, op, m.groups, m.dilation)
+    unbatched = x.dim() == nd + 1
+    out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, m.stride, m.padding, m.dilation, True, op, m.groups)
     return out.squeeze(0) if unbatched else out
 
 def _linear_fp32_forward(m, x):
     "`m.forward` of a linear layer in fp32 math when its weight is half"
-    return LinearFp32.apply(x, m.weight, m.bias) if m.weight.dtype in _half else type(m).forward(m, x)
+    w, b = m.weight, m.bias
+    return LinearFp32.apply(x, w, b) if w.dtype in _half else F.linear(x, w, b)  # `F.linear`: nn.Linear's own forward
 
 _convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _conv_ts = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

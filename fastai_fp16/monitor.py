@@ -24,6 +24,13 @@ def _layers(model:nn.Module)->list:
     return [(n or type(m).__name__, m, ps) for n,m in model.named_modules()
             if (ps := [p for p in m.parameters(recurse=False) if p.requires_grad])]
 
+def _nonfinite(grads:list, # per layer, the list of its grads this step (empty for a layer without any)
+              )->torch.Tensor: # bool, one per layer, on the grads' device
+    "Whether each layer's grads hold an inf or NaN; False for a layer without grads this step"
+    dev = next((g.device for gs in grads for g in gs), torch.device('cpu'))
+    no = torch.zeros((), dtype=torch.bool, device=dev)  # on the grads' device: `stack` takes one device, CPU scalars included
+    return torch.stack([torch.stack([~torch.isfinite(g).all() for g in gs]).any() if gs else no for gs in grads])
+
 class PrecisionMonitor(Callback):
     "Record per-layer gradient underflow, max |grad|, inf/NaN and the loss scale; find where overflows start"
     order = MixedPrecision.order + 1
@@ -61,8 +68,7 @@ class PrecisionMonitor(Callback):
     def after_backward(self):
         if not self.training: return
         grads = [[p.grad for p in ps if p.grad is not None] for _,_,ps in self._layers]
-        bad = torch.stack([torch.stack([~torch.isfinite(g).all() for g in gs]).any() if gs else torch.tensor(False)
-                           for gs in grads]).tolist()  # a diagnostic's extra host sync each step (more on recorded steps)
+        bad = _nonfinite(grads).tolist()  # a diagnostic's extra host sync each step (more on recorded steps)
         if any(bad):
             names = [n for (n,_,_),b in zip(self._layers, bad) if b]
             self.overflows.append(dict(step=self.step, start=names[-1], layers=names, loss_scale=self.scale))

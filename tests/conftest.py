@@ -1,5 +1,13 @@
-import warnings, pytest, torch
+"""Shared fixtures. `FASTAI_FP16_ASSUME_CPU=avx2|avx512|avx512_bf16|amx|arm_bf16` runs every test as on that CPU class,
+`FASTAI_FP16_DEFAULT_DEVICE=meta` with fastai's `default_device()` saying 'meta' as it says CUDA on a GPU box
+(tools/pretend.py): tools to find tests that depend on the CPU class, or that do not pin their device."""
+import importlib.util, warnings, pytest, torch
+from pathlib import Path
 warnings.filterwarnings('ignore', category=FutureWarning)  # torch.jit deprecation noise from fastai's imports
+
+_spec = importlib.util.spec_from_file_location('pretend', Path(__file__).resolve().parents[1]/'tools'/'pretend.py')
+_spec.loader.exec_module(_pretend := importlib.util.module_from_spec(_spec))
+_pretend.pretend_from_env()
 
 @pytest.fixture(autouse=True)
 def _seed():

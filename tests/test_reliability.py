@@ -257,7 +257,7 @@ def test_export_loads_without_fastai_fp16(dtype):
     tmp = Path(tempfile.mkdtemp())
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     dsets = Datasets(list(range(64)), [[x.__getitem__], [y.__getitem__]], splits=IndexSplitter(range(48, 64))(range(64)))
-    learn = Learner(dsets.dataloaders(bs=16, shuffle=False), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half(dtype)
+    learn = Learner(dsets.dataloaders(bs=16, shuffle=False, device='cpu'), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half(dtype)
     learn.fit(1, 1e-2)
     cbs = list(learn.cbs)
     learn.export('e.pkl')
