@@ -43,7 +43,7 @@ _flat_retired = ("flat_master=True was retired: the optimizer now steps the mode
 
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, fresh, loss_bad, stash, aside, gan, opt = False, None, True, None, None, (), (), None
+    ready, guard, fresh, loss_bad, stash, aside, gan, opt, pairs, own = False, None, True, None, None, (), (), None, (), ()
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks = dt, mth, dt == torch.float32, []
 
 class MixedPrecision(Callback):
@@ -162,9 +162,7 @@ class MixedPrecision(Callback):
         st, dev = r.mth._run, _model_device(self.learn.model)
         self._use_opt(opt, dev)  # before anything else: a refusal leaves nothing to undo
         r.ready, self.skipped, self.scales = True, 0, L()
-        r.pairs = [] if st.at_rest else list(zip(st.ps, st.hs))  # (fp32 param, its half copy, whose grad the backward writes)
-        conv = {id(p) for p,_ in r.pairs}
-        r.own = [p for p in self.learn.model.parameters() if id(p) not in conv]  # in the backward as they are (BatchNorm, fp64...)
+        r.st, r.seen = st, None  # the half copies; `_pairs` lists what they stand for
         for p in self.learn.model.parameters(): p.grad = None  # a fit starts with no grads
         keep = self.keep_master_grads
         # without their buffers between steps the fp32 grads are out of the forward's peak memory; CUDA's caching allocator
@@ -173,6 +171,14 @@ class MixedPrecision(Callback):
         r.found_inf, r.inv_scale = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev)
         g = self.guard_buffers
         r.guard = BufferGuard(self.learn.model, learn=g != 'all') if g else None
+
+    def _pairs(self):
+        "(fp32 param, its half copy, whose grad the backward writes), and the params in the backward as they are (BatchNorm, fp64...)"
+        r = self._run
+        if r.seen == r.st.found: return  # as the last time the copies were put in the model
+        r.pairs = [] if r.st.at_rest else list(zip(r.st.ps, r.st.hs))
+        conv = {id(p) for p,_ in r.pairs}
+        r.own, r.seen = [p for p in self.learn.model.parameters() if id(p) not in conv], r.st.found
 
     def _use_opt(self, opt, dev):
         "Step with `opt` (the fit's, or a new one: `learn.export` makes one mid-fit), fused where it can be"
@@ -234,6 +240,7 @@ class MixedPrecision(Callback):
     def before_backward(self):
         r = self._run
         if not getattr(r, 'ready', False): return
+        self._pairs()
         bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
         r.loss_bad = bad if r.fresh else r.loss_bad | bad  # over all the micro-batches of a step
         self.scales.append(self.loss_scale)

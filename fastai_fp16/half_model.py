@@ -68,7 +68,7 @@ class _StandIns:
     "Half copies of a model's fp32 params and buffers, put in the model's place in flight; or, `at_rest`, the tensors made half for the fit"
     def __init__(self, dt, params:list, bufs:list, fp32_math:bool, fp32_mods:list, at_rest:bool=False):
         self.dt, self.ps, self.bs, self.fp32_math, self.fp32_mods, self.at_rest = dt, params, bufs, fp32_math, fp32_mods, at_rest
-        self.model, self.up, self.undo, self.regs, self.rnns = None, False, [], ([], []), []
+        self.model, self.up, self.undo, self.regs, self.rnns, self.found = None, False, [], ([], []), [], 0
         if at_rest:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
             self.hs, self.hbs, self.snaps, self.f32 = [], [], [], [t.data for t in params + bufs]
             for t in params + bufs: t.grad = None; t.data = t.data.to(dt)
@@ -88,13 +88,27 @@ class _StandIns:
         # an RNN's hidden state, made at rest (fastai's `ModelResetter` resets at `before_train`) or kept from before the fit
         # (fp32), meets weights that are half in flight: its inputs are cast, as torch.autocast casts an RNN's
         self.model, self.regs, self.rnns = model, (pr, br), [m for m in model.modules() if isinstance(m, nn.RNNBase) and id(m) not in inner]
+        self.found += 1  # what `MixedPrecision` pairs grads by changes
+
+    def _adopt(self):
+        "fp32 tensors put in place of ours at rest (`load_state_dict(assign=True)`) are the model's now: they get copies of their own"
+        for (d,n,p,*_),k in [(g,k) for k,r in enumerate(self.regs) for g in r]:
+            t = d[n]
+            if t is p or not (isinstance(t, torch.Tensor) and t.dtype == torch.float32): continue
+            ts = self.ps if k == 0 else self.bs
+            i = next(j for j,x in enumerate(ts) if x is p)
+            ts[i] = t
+            if k == 0: self.hs[i] = nn.Parameter(torch.empty_like(t, dtype=self.dt), t.requires_grad); self.rg[i] = t.requires_grad
+            else: self.hbs[i], self.snaps[i] = torch.empty_like(t, dtype=self.dt), torch.empty_like(t, dtype=self.dt)
+        self.model = None  # found again at the next swap
 
     def swap_in(self, model:nn.Module, extras:bool=True):
         "Refresh the copies from the fp32 tensors as they are now, and put them in `model`; with `extras` fp32 math and hooks too"
         if self.up: return
         self.up = True
         if not self.at_rest:
-            if model is not self.model: self._find(model)
+            if any(d[n] is not t for r in self.regs for d,n,t,*_ in r): self._adopt()
+            if model is not self.model: self._find(model)  # a new model, or one wrapped (DDP)
             with torch.no_grad():
                 if self.ps: torch._foreach_copy_(self.hs, self.ps)
                 if self.bs: torch._foreach_copy_(self.hbs, self.bs); torch._foreach_copy_(self.snaps, self.hbs)  # what the forward may change

@@ -155,3 +155,14 @@ def test_torch_compile_compiles_no_more_than_fp32(dtype):
         graphs.append(counters['stats']['unique_graphs'])
         assert any(not torch.equal(a, b) for a, b in zip(w, m.parameters())) and fp32_everywhere(learn)
     assert graphs[1] == graphs[0] and not counters['recompiles'], (graphs, dict(counters['recompiles']))
+
+def test_a_param_replaced_mid_fit_is_not_overwritten_by_the_old_ones_copy():
+    "`load_state_dict(assign=True)` from a callback puts new Parameters in the model: they are used, never the old ones' copies"
+    class Assign(Callback):
+        def after_epoch(self):
+            if self.epoch: return
+            self.sd = {k: (v * 0.5).clone() for k,v in self.model.state_dict().items()}
+            self.model.load_state_dict(self.sd, assign=True)
+            self.new = self.model[0].weight
+    learn, _ = _fit('bf16', a := Assign(), lr=0.)  # lr 0: the new weights stay as they were assigned
+    assert learn.model[0].weight is a.new and torch.equal(learn.model[0].weight, a.sd['0.weight'])
