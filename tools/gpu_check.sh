@@ -6,7 +6,7 @@
 #
 # `run` installs the wheels (the machine has torch, torchvision, sklearn, pandas... but no fastai and cannot download),
 # runs the `#| cuda` cells of 03_learner through nbdev_test, the CUDA benchmark (fastai to_fp16 and to_non_native_fp16
-# vs ours, list and flat masters, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at
+# vs ours, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at
 # most 8 files in $OUT. Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
 # Each stage has a time limit and all of them TOTAL seconds (360): a hang costs its stage, not the lease. The CPU dry
 # run below (2 vCPUs shared with other work, limits x2) took 204 s in one run (install 12 s, versions 4, nbdev_test 31,
