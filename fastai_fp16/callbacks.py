@@ -4,14 +4,16 @@
 
 # %% ../nbs/02_callbacks.ipynb #15c74dcf
 from __future__ import annotations
-import math, operator, sys, warnings
+import functools, math, sys, warnings
+from contextlib import contextmanager
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback, CancelStepException
-from fastai.optimizer import OptimWrapper
 from fastai.callback.mixup import MixHandler
+from fastai.learner import Learner
 from .core import *
 from .scaler import *
 from .guard import BufferGuard
@@ -36,19 +38,27 @@ def _cast_io(mods:list, dt:torch.dtype, out_fp32:bool)->list:
     hs = [m.register_forward_pre_hook(lambda m, args: cast_floats(args, dt)) for m in mods]
     return hs + ([m.register_forward_hook(lambda m, a, out: cast_floats(out, torch.float32)) for m in mods] if out_fp32 else [])
 
-_grad = operator.attrgetter('grad')
+def _compress(ddp:DistributedDataParallel, dt:torch.dtype):
+    "DDP all-reduces its fp32 grad buckets in `dt`: as many bytes as half grads; a comm hook of the user's own wins"
+    if getattr(ddp, '_comm_hooks', None): return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    ddp.register_comm_hook(None, dh.fp16_compress_hook if dt == torch.float16 else dh.bf16_compress_hook)
 
-_flat_retired = ("flat_master=True was retired: the optimizer now steps the model's own fp32 params, and the casts and grad "
-                 "copies a flat buffer would fuse are one fused call each already. Leave it out (the default, False).")
+_retired = dict(
+    flat_master="flat_master=True was retired: the optimizer steps the model's own fp32 params. Leave it out (the default, False).",
+    keep_master_grads="keep_master_grads was retired: the backward accumulates into the params' own fp32 grads, as autograd "
+                      "does in an fp32 fit, and nothing is kept between steps. Leave it out (the default, None).")
 
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, fresh, loss_bad, stash, aside, gan, opt, pairs, own = False, None, True, None, None, (), (), None, (), ()
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said = False, None, None, True, None, (), None, None, None, False
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks = dt, mth, dt == torch.float32, []
 
 class MixedPrecision(Callback):
     "Half inputs, the model in flight in half (`ModelToHalf`), fp32 loss, static or dynamic loss scaling, fp32 unscaled grads"
-    order = 12  # after DistributedTrainer (11), which builds DDP on the half copies; after GradientAccumulation (6)
+    # after GradientAccumulation (6), which cancels all but a step's last micro-batch before the step; before GradientClip
+    # (11), which clips the grads this unscales
+    order = 10
     _fp16_role = 'mixed'
     _run = None  # outside a fit: no run state
     _stateattrs = ('_run','_depth','_pending')
@@ -62,11 +72,11 @@ class MixedPrecision(Callback):
         min_scale:float=1., # floor of the scale; an overflow at it raises `LossScaleError`
         max_scale:float=2.**24, # ceiling of the scale
         master_weights:bool=True, # fp32 params that the optimizer steps; False: the model is half for the whole fit
-        flat_master:bool=False, # retired (must be False): see `_flat_retired`
+        flat_master:bool=False, # retired (must be False)
         clip:float|None=None, # max global norm of the unscaled fp32 grads (as fastai's `GradientClip`, which works too)
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
-        keep_master_grads:bool|None=None, # keep the fp32 grads' buffers between steps (default: on CPU, not on CUDA)
+        keep_master_grads:None=None, # retired (must be None)
         guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
         fused_step:bool|None=None, # step fastai's `Adam` in torch's fused kernel; None: where it can
     ):
@@ -75,12 +85,14 @@ class MixedPrecision(Callback):
                                max_consecutive_skips=max_consecutive_skips)
         self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         self._make_scaler(torch.bfloat16)  # bad settings fail now, whichever dtype they would meet
-        if flat_master: raise ValueError(_flat_retired)
+        if flat_master: raise ValueError(_retired['flat_master'])
+        if keep_master_grads is not None: raise ValueError(_retired['keep_master_grads'])
         if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise ValueError(f"clip is a max gradient norm: a finite number > 0 (or None: no clipping), got {clip}.")
         if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
-        store_attr('master_weights,clip,loss_fp32,keep_master_grads,guard_buffers,fused_step')
-        self.skipped,self.scales = 0,L()
+        store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step')
+        self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
+        self.scales = L()
 
     def _make_scaler(self, dtype)->LossScaler:
         "A `LossScaler` with the settings given, and `dtype`'s defaults for those left to None"
@@ -130,21 +142,30 @@ class MixedPrecision(Callback):
         self._depth = 1
         if r.off: return  # a plain fp32 run: `to_half('auto')` where fp32 is fastest, fp16 inference on CPU
         if _in_fit(self.learn): self._for_dtype(r.dt)
-        mth.after_wrap()  # DistributedTrainer (11) built DDP on the half copies: the model's fp32 tensors back
         gan = _gan(self.learn)
         if gan is not None: r.gan = [gan[0].generator, gan[0].critic]
 
     def _fly(self):
-        "A batch (or a validation) starts: the model computes in half"
+        "The window opens: the model computes in half (its params cast inside autograd)"
         r = self._run
-        r.mth.swap_in()
+        r.mth.fly()
         if r.gan and not r.hooks: r.hooks = _cast_io(r.gan, r.dt, self.loss_fp32)
-    def _land(self):
-        "The model at rest again: its own fp32 tensors"
+    def _land(self, keep:bool=False):
+        "The window closes: the model at rest, its own fp32 tensors; the targets as the DataLoader gave them"
         r = self._run
         for h in r.hooks: h.remove()
         r.hooks = []
-        r.mth.swap_out()
+        r.mth.land(keep)
+        if r.yb is not None: self.learn.yb, r.yb = r.yb, None
+
+    @contextmanager
+    def in_flight(self):
+        "The model in half for a callback's own forward and backward (a second step such as SAM's), the window closed after"
+        r = self._run
+        if r is None or r.off or r.mth.in_flight: yield; return
+        self._fly()
+        try: yield
+        finally: self._land()
 
     def before_train(self):
         _raise_pending(self)
@@ -157,28 +178,14 @@ class MixedPrecision(Callback):
 
     def _setup(self):
         "What the fit's steps need, made at its first training batch: `validate` and `get_preds` need none of it"
-        r, opt = self._run, self.learn.opt
-        if opt is None: return  # events run by hand without an optimizer (fastai's MixUp preview): nothing will step
-        st, dev = r.mth._run, _model_device(self.learn.model)
-        self._use_opt(opt, dev)  # before anything else: a refusal leaves nothing to undo
-        r.ready, self.skipped, self.scales = True, 0, L()
-        r.st, r.seen = st, None  # the half copies; `_pairs` lists what they stand for
-        for p in self.learn.model.parameters(): p.grad = None  # a fit starts with no grads
-        keep = self.keep_master_grads
-        # without their buffers between steps the fp32 grads are out of the forward's peak memory; CUDA's caching allocator
-        # hands the same blocks back each step, on CPU fresh ones cost time
-        r.drop, r.bufs = not (dev.type != 'cuda' if keep is None else keep), {}
+        r, learn = self._run, self.learn
+        if learn.opt is None: return  # events run by hand without an optimizer (fastai's MixUp preview): nothing will step
+        dev = _model_device(learn.model)
+        self._use_opt(learn.opt, dev)  # before anything else: a refusal leaves nothing to undo
+        r.ready, self.scales = True, L()
+        self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
+        for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
         r.found_inf, r.inv_scale = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev)
-        g = self.guard_buffers
-        r.guard = BufferGuard(self.learn.model, learn=g != 'all') if g else None
-
-    def _pairs(self):
-        "(fp32 param, its half copy, whose grad the backward writes), and the params in the backward as they are (BatchNorm, fp64...)"
-        r = self._run
-        if r.seen == r.st.found: return  # as the last time the copies were put in the model
-        r.pairs = [] if r.st.at_rest else list(zip(r.st.ps, r.st.hs))
-        conv = {id(p) for p,_ in r.pairs}
-        r.own, r.seen = [p for p in self.learn.model.parameters() if id(p) not in conv], r.st.found
 
     def _use_opt(self, opt, dev):
         "Step with `opt` (the fit's, or a new one: `learn.export` makes one mid-fit), fused where it can be"
@@ -186,7 +193,7 @@ class MixedPrecision(Callback):
         if getattr(r, 'fused', False): unuse_fused_adam(r.opt)
         r.fused = self._fused_ok(opt, dev)
         if r.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
-        r.opt, r.torch_zero = opt, isinstance(opt, OptimWrapper)  # torch's zero_grad sets grads to None
+        r.opt = opt
 
     def _fused_ok(self, opt, dev)->bool:
         "Whether this fit steps fastai's `Adam` in torch's fused kernel: asked for (True) or possible (None)"
@@ -213,15 +220,18 @@ class MixedPrecision(Callback):
             "MixedPrecision got a batch outside a fit: its state is made at `before_fit`, which `learn.one_batch` alone does not "
             "fire. Use `learn.fit`, or fire the events in fastai's order (`with learn: ...`, or `learn('before_fit')` first).")
         if r.off: return
-        if self.training:
-            if r.guard is not None and r.fresh: r.guard.snapshot()  # at rest, before a step's first forward
-            self._fly()
-        self.learn.xb = cast_floats(self.xb, r.dt)
-        if self.loss_fp32: return
-        self.learn.yb = cast_floats(self.yb, r.dt)
-        for cb in self.learn.cbs:  # MixUp/CutMix (earlier) mix the half losses with `torch.lerp`: its weight in their dtype
-            lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
-            if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(r.dt)
+        if not self.loss_fp32 and r.yb is None:  # the loss takes the targets half too (the study's pure fp16), until the batch lands
+            r.yb, self.learn.yb = self.yb, cast_floats(self.yb, r.dt)
+            for cb in self.learn.cbs:  # MixUp/CutMix mix the half losses with `torch.lerp`: its weight in their dtype
+                lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
+                if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(r.dt)
+        if not self.training: return
+        m = self.learn.model
+        if r.ready and r.fresh and self.guard_buffers:  # at rest, before a step's first forward
+            if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
+            r.guard.snapshot()
+        if isinstance(m, DistributedDataParallel) and r.ddp is not m: _compress(m, r.dt); r.ddp = m
+        self._fly()
 
     def after_pred(self):
         r = self._run
@@ -229,84 +239,56 @@ class MixedPrecision(Callback):
     def after_loss(self):
         r = self._run
         if r is None or r.off: return
-        if self.training: self._land()  # the backward needs only the graph, which holds the half copies
+        # at rest until the backward starts (`before_backward` sees the fp32 params: grads added there stay); the casts are kept
+        if self.training: self._land(keep=True)
         if isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
     def after_cancel_batch(self): self._landed()
     def after_batch(self): self._landed()
     def _landed(self):
         r = self._run
-        if self.training and r is not None and not r.off: self._land()  # a batch cancelled before its loss
+        if r is None or r.off: return
+        if self.training: self._land()  # a batch cancelled before its backward, or without one
+        elif r.yb is not None: self.learn.yb, r.yb = r.yb, None
+    def _backward_starts(self):
+        "fastai's backward starts (`Learner._backward`, below): the forward's casts back in the model for its recomputations"
+        r = self._run
+        if r is not None and not r.off and self.training: r.mth.reopen()
+    def _backward_done(self):
+        "fastai's backward is over: the window closes, before any callback's `after_backward`"
+        r = self._run
+        if r is not None and not r.off: self._land()
 
     def before_backward(self):
         r = self._run
         if not getattr(r, 'ready', False): return
-        self._pairs()
         bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
-        r.loss_bad = bad if r.fresh else r.loss_bad | bad  # over all the micro-batches of a step
+        r.loss_bad = bad if r.loss_bad is None else r.loss_bad | bad  # over all the micro-batches of a step
         self.scales.append(self.loss_scale)
-        if not r.fresh:  # a further micro-batch (`GradientAccumulation`): its grads come scaled, those so far are unscaled
-            r.stash = [(p, p.grad) for p in r.own if p.grad is not None]
-            for p,_ in r.stash: p.grad = None
         if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
 
     def after_backward(self):
         r = self._run
         if not getattr(r, 'ready', False): return
-        fresh, r.fresh = r.fresh, False
-        self._grads(fresh)
+        r.fresh = False
         if r.guard is not None and r.guard.learning: r.guard.learn_mutated()  # the fit's first batch: which buffers moved
 
-    def _grads(self, fresh:bool):
-        "The backward's grads as the fp32 params' own, unscaled and checked for inf/NaN (no host sync): half grads copied into fp32, or added in fp32 after an earlier micro-batch of the step"
-        r = self._run
-        fi = r.found_inf
-        if fresh: fi.zero_()
-        bufs, drop = r.bufs, r.drop
-        for p,g in r.aside: p.grad = g if g is not None else torch.empty_like(p)  # as fastai's `zero_grad` would have left them
-        r.aside = ()
-        dst, src, idle = [], [], []
-        for p,h in r.pairs:
-            g = h.grad
-            if g is None:  # frozen, or idle this step (a GAN's other model): zeros, as fastai leaves a grad it does not drop
-                if fresh and p.grad is not None: idle.append(p.grad)
-                continue
-            h.grad = None
-            if not fresh: dst.append(p); src.append(g); continue
-            d = p.grad
-            if d is None:  # torch's `zero_grad` dropped it: the buffer kept from an earlier step, or a new one
-                d = bufs.get(id(p))
-                if d is None:
-                    d = torch.empty_like(p)
-                    if not drop: bufs[id(p)] = d
-                p.grad = d
-            dst.append(d); src.append(g)
-        if idle: torch._foreach_zero_(idle)
-        own = [g for g in map(_grad, r.own) if g is not None]
-        if fresh:
-            if dst: torch._foreach_copy_(dst, src)
-            unscale_grads_(dst + own, r.inv_scale, fi[:1], self.loss_scale)
-            return
-        new = [g.float() for g in src]
-        unscale_grads_(new + own, r.inv_scale, fi[:1], self.loss_scale)
-        for p,g in zip(dst, new): p.grad = g if p.grad is None else p.grad.add_(g)
-        for p,old in r.stash or ():
-            g = p.grad
-            p.grad = old if g is None else old + g if old.is_sparse or g.is_sparse else old.add_(g)
-        r.stash = None
-
     def before_step(self):
+        "Every grad the optimizer steps (the model's, a loss's, any a splitter added) unscaled and checked; step, or skip"
         r = self._run
         if not getattr(r, 'ready', False): return
         r.stepped = False
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
-        fi = r.found_inf
+        fi, seen = r.found_inf, set()
+        fi.zero_()
+        gs = [p.grad for pg in r.opt.param_lists for p in pg if p.grad is not None and id(p) not in seen and not seen.add(id(p))]
+        unscale_grads_(gs, r.inv_scale, fi[:1], self.loss_scale)
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(fi, op=dist.ReduceOp.MAX)  # every rank skips if any rank overflowed
         overflow, bad_loss = fi.tolist()  # our one host sync of the step
         old = self.loss_scale
         if overflow or bad_loss:
-            self.skipped += 1
+            self._count_skip(bool(bad_loss))
             if r.guard is not None: r.guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
             finally: self._refresh_inv_scale(old)
@@ -317,21 +299,32 @@ class MixedPrecision(Callback):
         self._refresh_inv_scale(old)
         r.stepped = True
 
+    def _count_skip(self, bad_loss:bool):
+        "Count a skipped step by its cause; a non-finite loss is said once a fit (the loss scale's overflows are its search)"
+        self.skipped += 1
+        if not bad_loss: self.skipped_overflow += 1; return
+        self.skipped_bad_loss += 1
+        r = self._run
+        if r.said: return
+        r.said = True
+        warnings.warn(f"fastai_fp16: the loss was inf or NaN at epoch {self.epoch}, batch {self.iter}: that step was skipped "
+                      "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
+                      "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", stacklevel=2)
+
     def _refresh_inv_scale(self, old):
         if self.loss_scale != old: self._run.inv_scale.fill_(1./self.loss_scale)
 
     def after_step(self):
         r = self._run
-        if not getattr(r, 'ready', False): return
-        r.fresh = True  # the next backward starts a new step's grads
-        if r.torch_zero or not r.pairs: return
-        # fastai's `zero_grad` would zero the fp32 grads that the next copy overwrites anyway: set aside until then
-        r.aside = [(p, None if r.drop else p.grad) for p,_ in r.pairs if p.grad is not None]
-        for p,_ in r.aside: p.grad = None
+        if getattr(r, 'ready', False): r.fresh, r.loss_bad = True, None  # the next backward starts a new step's grads
 
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
-        if self._depth <= 0: self._fp16_cleanup()
+        if self._depth > 0: return
+        if self.skipped and getattr(self._run, 'ready', False):
+            self.learn.logger(f"fastai_fp16: {self.skipped} steps skipped: {self.skipped_overflow} on gradient overflow "
+                              f"(the loss scale's search), {self.skipped_bad_loss} on an inf/NaN loss")
+        self._fp16_cleanup()
 
     def _fp16_cleanup(self):
         "Hooks off, the model at rest, the optimizer's own step back; run state dropped"
@@ -340,3 +333,16 @@ class MixedPrecision(Callback):
             self._land()
             if getattr(r, 'fused', False): unuse_fused_adam(r.opt)
         for a in self._stateattrs: self.__dict__.pop(a, None)
+
+def _landing(bw):
+    "`Learner._backward` in a half fit's window: a checkpointed block's recomputation meets the casts, every `after_backward` the fp32 params and their grads"
+    @functools.wraps(bw)
+    def _backward(self):
+        for cb in _role(self, 'mixed'): cb._backward_starts()
+        try: return bw(self)
+        finally:
+            for cb in _role(self, 'mixed'): cb._backward_done()
+    _backward._fp16 = True
+    return _backward
+
+if not getattr(Learner._backward, '_fp16', False): Learner._backward = _landing(Learner._backward)

@@ -50,6 +50,12 @@ def _dtype_hint(learn:Learner, e:BaseException):
             "are half in flight)")
     m = getattr(learn, 'model', None)
     causes = f"The likely cause is {kept}. Else, {made}." if m is not None and _stateful(m) else f"The usual cause is {made}."
+    if _in_fit(learn) and not any(getattr(cb, 'in_flight', True) for cb in _role(learn, 'model')):  # between batches
+        causes = (f"It happened at rest, where the model is fp32: it computes in {dt} only from `before_batch` to the end of the "
+                  "backward (and while validating), and `learn.xb` is the batch as the DataLoader gave it. A callback's own "
+                  "forward on half tensors meets the fp32 weights here: give it the batch as it comes, or run it in half inside "
+                  "`with learn.mixed_precision.in_flight():` (from a `before_step` at an order below 10, its loss times "
+                  "`learn.mixed_precision.loss_scale`, as the main backward's).")
     hint = f"fastai_fp16: the model ran in {dt} (`to_half`) and this op got tensors of two dtypes. {causes}"
     if hasattr(e, 'add_note'): e.add_note(hint)
     else: e.args = (f"{e.args[0] if e.args else ''}\n{hint}", *e.args[1:])  # Python 3.10: no notes

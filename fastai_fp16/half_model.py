@@ -6,8 +6,9 @@
 from __future__ import annotations
 import functools, operator, warnings
 import torch, torch.nn as nn
-import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules import module as _mod
+from torch.nn.utils.weight_norm import WeightNorm
+from torch.nn.utils.prune import BasePruningMethod
 from fastai.callback.core import Callback
 from .core import *
 from .hardware import detect, _fp32_math_arg
@@ -52,129 +53,151 @@ def _model_device(model)->torch.device:
     "Where `model` is (and so runs: fastai moved it there before our `before_fit`)"
     return next((t.device for t in float_tensors(model)), torch.device('cpu'))
 
-_rg = operator.attrgetter('requires_grad')
-
 def _sparse(m:nn.Module)->bool:
     "An embedding with sparse grads: kept fp32 (sparse grads are unscaled as they are; a half copy could not take them)"
     return isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
 
-def _ddp_coming(learn)->bool:
-    "Whether fastai's `DistributedTrainer` (order 11) will wrap the model in DDP at this `before_fit`"
-    return not isinstance(learn.model, nn.parallel.DistributedDataParallel) and any(
-        type(cb).__name__ == 'DistributedTrainer' for cb in learn.cbs)
-
 # %% ../nbs/01a_half_model.ipynb #8698e6dc
-class _StandIns:
-    "Half copies of a model's fp32 params and buffers, put in the model's place in flight; or, `at_rest`, the tensors made half for the fit"
-    def __init__(self, dt, params:list, bufs:list, fp32_math:bool, fp32_mods:list, at_rest:bool=False):
-        self.dt, self.ps, self.bs, self.fp32_math, self.fp32_mods, self.at_rest = dt, params, bufs, fp32_math, fp32_mods, at_rest
-        self.model, self.up, self.undo, self.regs, self.rnns, self.found = None, False, [], ([], []), [], 0
-        if at_rest:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
-            self.hs, self.hbs, self.snaps, self.f32 = [], [], [], [t.data for t in params + bufs]
-            for t in params + bufs: t.grad = None; t.data = t.data.to(dt)
-            return
-        # a param's copy is a leaf of its own: the backward writes its grads there, the model's fp32 param is never rounded
-        self.hs = [nn.Parameter(torch.empty_like(p, dtype=dt), p.requires_grad) for p in params]
-        self.hbs, self.snaps = [torch.empty_like(b, dtype=dt) for b in bufs], [torch.empty_like(b, dtype=dt) for b in bufs]
-        self.rg = [p.requires_grad for p in params]
+# a param, buffer or submodule (re)registered anywhere (`load_state_dict(assign=True)`, a layer grown mid-fit, a buffer
+# the forward makes): the model may have changed, so the next batch looks again (hooks on during a fit only)
+_reg_hooks = (_mod.register_module_parameter_registration_hook, _mod.register_module_buffer_registration_hook,
+              _mod.register_module_module_registration_hook)
+_computed = (WeightNorm, BasePruningMethod)  # old-style pre-hooks that compute a weight attribute from params
+
+class _Casts:
+    "A fit's model in flight: each converted param registered as its cast (inside autograd), each converted buffer as a half copy; or, `at_rest`, the tensors made half for the whole fit"
+    def __init__(self, dt, pick, fp32_math:bool, at_rest:list|None=None):
+        self.dt, self.pick, self.fp32_math = dt, pick, fp32_math  # pick(model): (params, buffers, fp32 modules) to convert
+        self.model, self.up, self.kept, self.dirty, self.undo, self.born = None, False, False, True, [], []
+        self.pr, self.br, self.casts, self.mods, self.rnns, self.pre = [], [], [], [], [], []
+        self.hooks = [h(self._registered) for h in _reg_hooks]
+        self.ts = self.f32 = None
+        if at_rest is not None:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
+            self.ts, self.f32 = at_rest, [t.data for t in at_rest]
+            for t in at_rest: t.grad = None; t.data = t.data.to(dt)
+
+    def _registered(self, m, name, value):
+        self.dirty = True
+        if self.up and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter): self.born.append((m, name))
 
     def _find(self, model:nn.Module):
-        "Where each fp32 tensor (or its copy, put there before DDP wrapped the model) is registered in `model`"
-        ps = {id(x): (t,h) for t,h in zip(self.ps, self.hs) for x in (t,h)}
-        bs = {id(x): (t,h,s) for t,h,s in zip(self.bs, self.hbs, self.snaps) for x in (t,h)}
-        pr = [(m._parameters, n, *ps[id(t)]) for m in model.modules() for n,t in m._parameters.items() if id(t) in ps]
-        br = [(m._buffers, n, *bs[id(t)]) for m in model.modules() for n,t in m._buffers.items() if id(t) in bs]
-        inner = {id(s) for m in self.fp32_mods for s in m.modules()}
+        "Where each converted tensor is registered in `model` as it is now (a dict entry each), and what runs around them"
+        ps, bs, self.mods = self.pick(model)
+        self.pr = ps
+        old = {id(b): (hb, s) for _,_,b,hb,s in self.br if hb.shape == b.shape}
+        self.br = [(d, n, b, *old.get(id(b), (torch.empty_like(b, dtype=self.dt), torch.empty_like(b, dtype=self.dt)))) for d,n,b in bs]
+        inner = {id(s) for m in self.mods for s in m.modules()}
         # an RNN's hidden state, made at rest (fastai's `ModelResetter` resets at `before_train`) or kept from before the fit
         # (fp32), meets weights that are half in flight: its inputs are cast, as torch.autocast casts an RNN's
-        self.model, self.regs, self.rnns = model, (pr, br), [m for m in model.modules() if isinstance(m, nn.RNNBase) and id(m) not in inner]
-        self.found += 1  # what `MixedPrecision` pairs grads by changes
+        self.rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase) and id(m) not in inner]
+        self.pre = [(m,h) for m in model.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _computed)]
+        self.model, self.dirty = model, False
 
-    def _adopt(self):
-        "fp32 tensors put in place of ours at rest (`load_state_dict(assign=True)`) are the model's now: they get copies of their own"
-        for (d,n,p,*_),k in [(g,k) for k,r in enumerate(self.regs) for g in r]:
-            t = d[n]
-            if t is p or not (isinstance(t, torch.Tensor) and t.dtype == torch.float32): continue
-            ts = self.ps if k == 0 else self.bs
-            i = next(j for j,x in enumerate(ts) if x is p)
-            ts[i] = t
-            if k == 0: self.hs[i] = nn.Parameter(torch.empty_like(t, dtype=self.dt), t.requires_grad); self.rg[i] = t.requires_grad
-            else: self.hbs[i], self.snaps[i] = torch.empty_like(t, dtype=self.dt), torch.empty_like(t, dtype=self.dt)
-        self.model = None  # found again at the next swap
-
-    def swap_in(self, model:nn.Module, extras:bool=True):
-        "Refresh the copies from the fp32 tensors as they are now, and put them in `model`; with `extras` fp32 math and hooks too"
+    def open(self, model:nn.Module):
+        "In flight: each converted param registered as `p.to(dt)` of its fp32 value now, each converted buffer as a half copy"
         if self.up: return
-        self.up = True
-        if not self.at_rest:
-            if any(d[n] is not t for r in self.regs for d,n,t,*_ in r): self._adopt()
-            if model is not self.model: self._find(model)  # a new model, or one wrapped (DDP)
-            with torch.no_grad():
-                if self.ps: torch._foreach_copy_(self.hs, self.ps)
-                if self.bs: torch._foreach_copy_(self.hbs, self.bs); torch._foreach_copy_(self.snaps, self.hbs)  # what the forward may change
-            rg = list(map(_rg, self.ps))  # `freeze`, `GANTrainer`: set on the model's params at rest
-            if rg != self.rg:
-                for h,g in zip(self.hs, rg): h.requires_grad_(g)
-                self.rg = rg
-            for d,n,_,h in self.regs[0]: d[n] = h
-            for d,n,_,h,_ in self.regs[1]: d[n] = h
-        if not extras: return
-        if self.at_rest and model is not self.model: self._find(model)
+        moved = any(d.get(n) is not t for d,n,t in self.pr) or any(d.get(n) is not t for d,n,t,*_ in self.br)
+        if self.dirty or moved or model is not self.model: self._find(model)
+        if self.f32 is None:
+            cs, self.casts = {}, []
+            for _,_,p in self.pr:  # the backward runs through each cast into its fp32 param: `p.grad` is fp32
+                c = cs.get(id(p))
+                if c is None: c = cs[id(p)] = p.to(self.dt)  # once per tensor (tied weights share one); keeps the memory format
+                self.casts.append(c)
+        self._put()
+
+    def reopen(self):
+        "For the backward: the forward's casts back in the model, so that a checkpointed block's recomputation meets them"
+        if not self.up and self.kept: self._put()
+
+    def _put(self):
+        self.up, self.kept, self.born, model = True, False, [], self.model
+        if self.f32 is None:
+            for (d,n,_),c in zip(self.pr, self.casts): d[n] = c
+            if self.br:
+                with torch.no_grad():
+                    hbs = [t[3] for t in self.br]
+                    torch._foreach_copy_(hbs, [t[2] for t in self.br]); torch._foreach_copy_([t[4] for t in self.br], hbs)
+                for d,n,_,hb,_ in self.br: d[n] = hb
+        self.undo.append(model.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove)  # the batch, as the model gets it
         if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
-        if self.fp32_mods: self.undo += [h.remove for h in run_fp32(self.fp32_mods, self.dt)]
+        if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt)]
         if self.rnns: self.undo += [m.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove for m in self.rnns]
 
     def _cast_in(self, m, args, kwargs): return cast_floats(args, self.dt), cast_floats(kwargs, self.dt)
 
-    def swap_out(self, model:nn.Module|None=None):
-        "The fp32 tensors back in the model; a buffer the forward changed keeps its new values (in fp32)"
+    def close(self, keep:bool=False):
+        "At rest: the fp32 tensors back; what the forward changed in place, re-assigned or made lands in them, in fp32; `keep` the casts for `reopen`"
         if not self.up: return
-        self.up = False
+        self.up, self.kept = False, keep
         for u in reversed(self.undo): u()
         self.undo = []
-        if self.at_rest: return
-        if model is not None and model is not self.model: self._find(model)  # DDP wrapped it (and made SyncBatchNorms)
-        for d,n,p,_ in self.regs[0]: d[n] = p
         with torch.no_grad():
-            for d,n,b,hb,snap in self.regs[1]:
-                cur, d[n] = d[n], b
-                if cur is not hb: b.copy_(cur)  # the forward assigned a new tensor (`self.n = self.n + 1`)
-                else: b.copy_(torch.where(hb != snap, hb, b))  # only what it changed: the rest keeps its fp32 value (or what a callback put there)
+            if self.f32 is None: self._land_params(keep); self._land_buffers()
+            if self.born: self._land_born()
+            for m,h in self.pre: h(m, ())  # `weight_norm`'s, `prune`'s weight attribute recomputed from the fp32 params
 
-    def restore(self)->None:
+    def _land_params(self, keep:bool):
+        changed = []
+        for (d,n,p),c in zip(self.pr, self.casts):
+            if d.get(n) is c: d[n] = p
+            else: self.dirty = True  # the forward registered another tensor there: the model's now
+            if c._version: changed.append((p, c))  # changed in place (`nn.Embedding(max_norm=...)` renormalizes rows)
+        if not keep: self.casts = []
+        for p,c in changed: p.copy_(torch.where(c != p.to(c.dtype), c.float(), p))  # only what it changed
+
+    def _land_buffers(self):
+        br = []
+        for e in self.br:
+            d,n,b,hb,snap = e
+            cur = d.get(n); d[n] = b
+            if cur is hb: b.copy_(torch.where(hb != snap, hb, b))  # only what the forward changed: the rest keeps its fp32 value
+            elif isinstance(cur, torch.Tensor) and cur.shape == b.shape and cur.device == b.device: b.copy_(cur)  # `self.n = self.n + 1`
+            else:  # re-assigned with a new shape (a longer history, a cache rebuilt): the model's tensor now, in fp32
+                d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == self.dt else cur
+                self.dirty = True
+                if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
+                e = (d, n, e, torch.empty_like(e, dtype=self.dt), torch.empty_like(e, dtype=self.dt))  # its copies for the backward
+            br.append(e)
+        self.br = br
+
+    def _land_born(self):
+        "Buffers first registered in flight (a cache the forward made): fp32 at rest, converted in flight from the next batch"
+        ours = {id(m) for m in self.model.modules()}
+        for m,n in self.born:
+            t = m._buffers.get(n)
+            if id(m) in ours and isinstance(t, torch.Tensor) and t.dtype == self.dt: m._buffers[n] = t.float()
+        self.born = []
+
+    def restore(self):
         "`at_rest`: the tensors back to fp32: their exact original values where the fit left them, else their half values"
-        if not self.at_rest: return
-        ts = self.ps + self.bs
-        if not ts: return
-        with torch.no_grad(): same = torch.stack([(t.data == o.to(t.dtype)).all() for t,o in zip(ts, self.f32)]).tolist()  # one sync
-        for t,o,s in zip(ts, self.f32, same): t.grad = None; t.data = o if s else t.data.float()
-        self.at_rest = False
+        if not self.ts: return
+        with torch.no_grad(): same = torch.stack([(t.data == o.to(t.dtype)).all() for t,o in zip(self.ts, self.f32)]).tolist()  # one sync
+        for t,o,s in zip(self.ts, self.f32, same): t.grad = None; t.data = o if s else t.data.float()
+        self.ts = self.f32 = None
 
-    def sync_ranks(self):
-        "Under DDP, which broadcast rank 0's half copies when it was built: rank 0's fp32 values on every rank too"
-        vs = self.f32 if self.at_rest else self.ps + self.bs
-        if not vs: return
-        flat = _flatten_dense_tensors(vs)  # one collective, whatever the layouts
-        dist.broadcast(flat, 0)
-        with torch.no_grad():
-            for v,s in zip(vs, _unflatten_dense_tensors(flat, vs)): v.copy_(s)
+    def remove(self):
+        "The fit is over: the model at rest, the registration hooks off, fp32 again after `master_weights=False`"
+        self.close(); self.casts = []; self.restore()
+        for h in self.hooks: h.remove()
+        self.hooks = []
 
 # %% ../nbs/01a_half_model.ipynb #69c26c39
 class ModelToHalf(Callback):
     "The model fp32 at rest and `dtype` in flight (a batch's forward and backward, a validation), as fastai trains it"
-    # after TrainEvalCallback (-10: device), ChannelsLast (-1: memory format) and GANTrainer (0); before
-    # DistributedTrainer (11), which builds DDP on the half copies (its grad buckets take their dtype)
+    # after TrainEvalCallback (-10: device), ChannelsLast (-1: memory format) and GANTrainer (0); the model DistributedTrainer
+    # (11) wraps, or a callback replaces, is found again at the next batch
     order = 5
     _fp16_role = 'model'
     _stateattrs = ('_run','_depth','_pending','run_dtype')
     _warned = set()  # slow-plan warnings given in this process: each once
     def __init__(self,
-        dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto' (`plan_precision`)
+        dtype:torch.dtype|str='auto', # 'auto': what is fast where the fit runs (`plan_precision`); or torch.float16 / torch.bfloat16 ('fp16', 'bf16')
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
         keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
     ):
         self.keep_fp32 = keep_fp32
-        self.dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
+        self.dtype = 'auto' if isinstance(dtype, str) and dtype.lower() == 'auto' else half_dtype(dtype)
         self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
     def _check(self):
@@ -185,7 +208,7 @@ class ModelToHalf(Callback):
                                            "Move it with `learn.model.to(device)` (model parallelism is not supported).")
 
     def before_fit(self):
-        if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the fit's copies serve it
+        if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the fit's casts serve it
         if not _checked(self): return
         learn, fit = self.learn, _in_fit(self.learn)
         model = learn.model
@@ -196,37 +219,34 @@ class ModelToHalf(Callback):
         self._run, self._depth = None, 1  # only once checks passed: a failed `before_fit` leaves no run state
         if self.run_dtype != torch.float32:
             mp = next(iter(_role(learn, 'mixed')), None)
-            self._run = self._stand_ins(model, plan.fp32_math, at_rest=fit and not getattr(mp, 'master_weights', True))
-            if _ddp_coming(learn): self._run.swap_in(model, extras=False)  # DDP is built on the copies; `after_wrap` lands them
+            half = fit and not getattr(mp, 'master_weights', True)
+            ts = list({id(t): t for _,_,t in sum(self._pick(model)[:2], [])}.values()) if half else None
+            self._run = _Casts(self.run_dtype, self._pick, plan.fp32_math, at_rest=ts)
         if fit: self.plan = plan; self._tell(plan, layout_asked(learn) is None)
 
-    def _stand_ins(self, model, fp32_math:bool, at_rest:bool)->_StandIns:
-        "The fp32 params and buffers this fit computes with in half (not fp64, nor what is kept fp32), and their copies"
+    def _pick(self, model)->tuple:
+        "(params, buffers) computed in half, as (dict, name, tensor) registrations, and the modules run in fp32: not fp64 tensors, nor those kept fp32"
         keep, mods = kept_fp32(model, getattr(self, 'keep_fp32', None))
         norm = next(iter(_role(self.learn, 'norm')), None)
         kinds = norm_classes(norm.keep_norm_fp32) if norm is not None else ()
-        sparse = [m for m in model.modules() if _sparse(m)]
         inner = {id(s) for m in mods for s in m.modules()}
-        mods = mods + [m for m in sparse if id(m) not in inner]  # run in fp32, their outputs in the model's dtype
+        mods = mods + [m for m in model.modules() if _sparse(m) and id(m) not in inner]  # run in fp32, outputs in the model's dtype
         keep |= {id(t) for m in model.modules() if (kinds and isinstance(m, kinds)) or _sparse(m) for t in module_tensors(m)}
-        ps = [p for p in model.parameters() if p.dtype == torch.float32 and id(p) not in keep]  # fp64: its own dtype, its values
-        bs = [b for b in model.buffers() if b.dtype == torch.float32 and id(b) not in keep]
-        return _StandIns(self.run_dtype, ps, bs, fp32_math, mods, at_rest)
+        f32 = lambda d: [(d, n, t) for n,t in d.items() if t is not None and t.dtype == torch.float32 and id(t) not in keep]
+        ms = list(model.modules())
+        return [r for m in ms for r in f32(m._parameters)], [r for m in ms for r in f32(m._buffers)], mods
 
-    def swap_in(self, extras:bool=True):
-        "In flight: the half copies in the model, refreshed from its fp32 tensors (`MixedPrecision` calls it as a batch starts)"
-        if getattr(self, '_run', None) is not None: self._run.swap_in(self.learn.model, extras)
-    def swap_out(self):
-        "At rest: the model's own fp32 tensors back (`MixedPrecision` calls it once the loss is computed)"
-        if getattr(self, '_run', None) is not None: self._run.swap_out(self.learn.model)
-
-    def after_wrap(self):
-        "After `DistributedTrainer` (11) built DDP on the half copies: the fp32 tensors back, rank 0's on every rank"
-        r = getattr(self, '_run', None)
-        if r is None or not r.up: return
-        r.swap_out(self.learn.model)
-        if dist.is_available() and dist.is_initialized() and isinstance(self.learn.model, nn.parallel.DistributedDataParallel):
-            r.sync_ranks()
+    def fly(self):
+        "In flight: the params registered as their half casts, the buffers as half copies (`MixedPrecision` calls it as a batch starts)"
+        if getattr(self, '_run', None) is not None: self._run.open(self.learn.model)
+    def land(self, keep:bool=False):
+        "At rest: the model's own fp32 tensors back (`MixedPrecision` calls it after the loss, and after the backward); `keep` the casts for the backward"
+        if getattr(self, '_run', None) is not None: self._run.close(keep)
+    def reopen(self):
+        "The forward's casts back in the model for the backward (`MixedPrecision` calls it as fastai's backward starts)"
+        if getattr(self, '_run', None) is not None: self._run.reopen()
+    @property
+    def in_flight(self)->bool: return getattr(getattr(self, '_run', None), 'up', False)
 
     def _upcast(self, half:list):
         "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said once)"
@@ -241,14 +261,15 @@ class ModelToHalf(Callback):
                       "at rest and after each fit. Give `to_half()` the fp32 model; it computes in half for the fit.", stacklevel=3)
 
     def _tell(self, plan, auto_layout:bool=False):
-        "Warn once when the plan is slow; say once per Learner what 'auto' chose, that fp32 math stands in, or channels_last"
+        "Warn once when the plan is slow; say once per Learner, at its first fit that logs, what 'auto' chose, that fp32 math stands in, or channels_last"
         if plan.warning and plan.warning not in ModelToHalf._warned:
             ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
         chose = plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto') or (auto_layout and plan.channels_last)
         if self._announced or not chose: return
+        # not under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics'): `lr_find` leaves it to the next fit
+        if getattr(getattr(self.learn, 'logger', print), '__name__', '') == 'noop': return
         self._announced = True
-        # silent under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics')
-        if getattr(getattr(self.learn, 'logger', print), '__name__', '') != 'noop': print(plan.describe())
+        print(plan.describe())
 
     def before_batch(self): _raise_pending(self)
 
@@ -259,7 +280,7 @@ class ModelToHalf(Callback):
     def _fp16_cleanup(self):
         "The model's own fp32 tensors back in it (and fp32 again after `master_weights=False`); run state dropped"
         r = getattr(self, '_run', None)
-        if r is not None: r.swap_out(self.learn.model if self.learn is not None else None); r.restore()
+        if r is not None: r.remove()
         for a in self._stateattrs: self.__dict__.pop(a, None)
 
 # %% ../nbs/01a_half_model.ipynb #92d7d8f7
