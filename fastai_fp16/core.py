@@ -63,11 +63,22 @@ def convert_network(model:nn.Module, # model to convert in place
 _half_dtypes = {'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16,
                 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16}
 
-def half_dtype(dtype)->torch.dtype:
-    "`torch.float16` or `torch.bfloat16` from a dtype or its name ('fp16', 'bf16')"
-    d = _half_dtypes.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if d not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"Half precision means torch.float16 ('fp16') or torch.bfloat16 ('bf16'), got {dtype!r}.")
+def _accepted(auto:bool)->str:
+    "The values `half_dtype` accepts, as its error lists them"
+    names = lambda d: ', '.join(repr(k) for k,v in _half_dtypes.items() if v == d)
+    return (f"torch.float16 ({names(torch.float16)}) or torch.bfloat16 ({names(torch.bfloat16)})"
+            + (", or 'auto' (what is fast where the fit runs)" if auto else "") + "; names in any case")
+
+def half_dtype(dtype, # a half dtype, or its name in any case: 'fp16', 'BF16', 'Float16', 'torch.bfloat16'...
+               auto:bool=False, # also accept 'auto' (any case), returned as 'auto'
+              )->torch.dtype|str:
+    "`torch.float16` or `torch.bfloat16` from a dtype or its name ('fp16', 'bf16', any case); with `auto`, also 'auto'"
+    d = dtype
+    if isinstance(dtype, str):
+        k = dtype.strip().lower().removeprefix('torch.')
+        if auto and k == 'auto': return 'auto'
+        d = _half_dtypes.get(k, dtype)
+    if d not in (torch.float16, torch.bfloat16): raise ValueError(f"Half precision means {_accepted(auto)}; got {dtype!r}.")
     return d
 
 # %% ../nbs/00_core.ipynb #8988cb7e

@@ -36,6 +36,8 @@ def _stateful(model:nn.Module)->bool:
     "Whether `model` keeps a state between batches (an RNN, a `reset` method: fastai's `AWD_LSTM`)"
     return any(isinstance(m, nn.RNNBase) or callable(getattr(m, 'reset', None)) for m in model.modules())
 
+_names = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
+
 def _dtype_hint(learn:Learner, e:BaseException):
     "Name the usual causes of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
     dt = getattr(next(iter(_role(learn, 'model')), None), 'run_dtype', torch.float32)
@@ -43,7 +45,8 @@ def _dtype_hint(learn:Learner, e:BaseException):
     if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # an inner call said it already
     made = ("a tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
             "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
-            "device=x.device)`), or run that module in fp32 with `to_half(keep_fp32=['its.name'])`")
+            "device=x.device)`), or run that module in fp32: `learn.to_float().to_half("
+            f"'{_names.get(dt, dt)}', keep_fp32=['its.name'])` (its name as `learn.model.named_modules()` gives it)")
     kept = ("a state this model keeps between batches, made fp32 at rest (with the model, or by its `reset`) and met by half "
             "activations: `to_half` casts the inputs of torch's RNN modules in flight, not those of other modules. Make the "
             "state in the activations' dtype where it is used (`state.to(x.dtype)`), or register it as a buffer (buffers "

@@ -185,13 +185,14 @@ def _fp32_math_arg(fp32_math):
     return fp32_math
 
 def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
-                   dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16')
+                   dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16'); names in any case
                    fp32_math='auto', # 'auto': on where `dtype`'s native kernels are slow (CPU only); True; False
                   )->PrecisionPlan:
     "The precision a fit of `dtype` runs on `caps`"
     _fp32_math_arg(fp32_math)
     sup, dev = half_support(caps), caps.device_type
-    if isinstance(dtype, str) and dtype == 'auto':
+    dtype = half_dtype(dtype, auto=True)  # names in any case
+    if dtype == 'auto':
         order = ('bf16', 'fp16') if dev == 'cuda' else ('bf16',)
         pick = next((n for n in order if sup[n][0]), None)
         if pick is None:
@@ -203,8 +204,9 @@ def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
     f32 = (not fast and dev == 'cpu') if fp32_math == 'auto' else fp32_math
     warn = None
     if not fast and not f32:
-        fix = (f"`learn.to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_half('auto')`" if dev == 'cpu' else
-               "`learn.to_half('auto')`" + (" (fp16 here)" if sup['fp16'][0] else " (fp32 here)"))
+        # `to_float()` first: the warning comes from a fit, and `to_half` refuses a Learner that has it
+        fix = (f"`learn.to_float().to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_float().to_half('auto')`" if dev == 'cpu' else
+               "`learn.to_float().to_half('auto')`" + (" (fp16 here)" if sup['fp16'][0] else " (fp32 here)"))
         warn = f"{n} on this {'CPU' if dev == 'cpu' else 'GPU'} runs slow native kernels ({why}): expect {_slow.get(dev, {}).get(n, 'a slowdown')}. Use {fix}."
     reason = why if fast else (f"native {n} is slow here: {why}" if not f32 else f"no fast {n} kernels: {why}")
     return PrecisionPlan(d, f32, fast, n, reason, dev, warn)

@@ -27,7 +27,7 @@ _fp16_cbs = (ModelToHalf, BatchNormToFloat, MixedPrecision)
 @patch
 @delegates(MixedPrecision.__init__)
 def to_half(self:Learner,
-    dtype:torch.dtype|str=torch.float16, # torch.float16 or torch.bfloat16 ('fp16', 'bf16'), or 'auto': what is fast here
+    dtype:torch.dtype|str='auto', # 'auto': what is fast where the fit runs; or torch.float16/'fp16', torch.bfloat16/'bf16' (any case)
     bn_fp32:bool=True, # keep BatchNorm layers in fp32
     keep_norm_fp32=('batch',), # with `bn_fp32`, the kinds of norm layer kept fp32 (see `norm_types`)
     channels_last:bool|None=None, # conv nets in channels_last (fastai's `ChannelsLast`): True, False, or None: where faster
@@ -35,11 +35,11 @@ def to_half(self:Learner,
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
-    "Train in half precision: fp32 params at rest, half copies in flight, fp32 BatchNorm and loss scaling"
+    "Train in mixed precision ('auto': what is fast here): fp32 params at rest, half copies in flight, fp32 BatchNorm, loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
-    dtype = dtype if isinstance(dtype, str) and dtype == 'auto' else half_dtype(dtype)
+    dtype = half_dtype(dtype, auto=True)  # before any change: a wrong name leaves the Learner as it was
     mp = MixedPrecision(**kwargs)
     if dtype != 'auto': mp._for_dtype(dtype)  # its loss scale reads right before the first fit
     cbs = [ModelToHalf(dtype, fp32_math, keep_fp32)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
@@ -105,7 +105,7 @@ def _load_with_scaler(load):
         with _opt_method(self.opt, 'load_state_dict', _load_sd): res = load(self, file, device=device, **kwargs)
         if err: raise ValueError(f"The checkpoint {file!r} holds a loss-scaler state that cannot be loaded: {err[0]} Its model "
                                  "weights were loaded; the optimizer and the loss scale were left as they were. "
-                                 "`learn.load(file, with_opt=False)` loads the weights alone.") from err[0]
+                                 f"`learn.load({str(file)!r}, with_opt=False)` loads the weights alone.") from err[0]
         return res
     _load._fp16 = True
     return _load

@@ -13,8 +13,15 @@ __all__ = ['LossScaleError', 'LossScaler']
 class LossScaleError(RuntimeError):
     "The loss scale collapsed: training in half precision is not making progress"
 
-_advice = ("Try: a lower learning rate; bf16 (`learn.to_half(torch.bfloat16)`), which needs no loss scale; BatchNorm in "
-           "fp32 (`bn_fp32=True`); clipping (`clip=1.`); capping large losses (`soft_cap`); or look for inf/NaN in the data.")
+def _advice(s)->str:
+    "What to try after scaler `s` collapsed: each call works pasted where the error happened, on that `learn`"
+    # `to_float()` first: `to_half` refuses a Learner that has it. A static scale of 1 is bf16's default (fp32's range:
+    # nothing to scale), a dynamic one fp16's: there bf16 is the remedy, in a bf16 fit it is what ran
+    half = (("clipping the gradients: `learn.to_float().to_half('bf16', clip=1.)`") if not s.dynamic and s.init_scale == 1 else
+            ("bf16, which has fp32's range and needs no loss scale: `learn.to_float().to_half('bf16')`; clipping the "
+             "gradients: `learn.to_float().to_half('fp16', clip=1.)`"))
+    return (f"Try: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data; "
+            "or fp32: `learn.to_float()`.")
 
 def _num(v)->bool: return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # NaN and inf: no
 def _int(v, lo:int)->bool: return _num(v) and v == int(v) and v >= lo
@@ -89,12 +96,12 @@ class LossScaler:
             if self.hysteresis_tracker <= 0:
                 if self.scale <= self.min_scale:
                     raise LossScaleError(f"Gradients overflowed at the minimum loss scale ({self.min_scale:g}) after "
-                                         f"{self.consecutive_skips} skipped step(s) in a row, so no step can be taken. " + _advice)
+                                         f"{self.consecutive_skips} skipped step(s) in a row, so no step can be taken. " + _advice(self))
                 self.scale = max(self.scale*self.backoff_factor, self.min_scale)
         mx = self.max_consecutive_skips
         if mx is not None and self.consecutive_skips >= mx:
             raise LossScaleError(f"{self.consecutive_skips} optimizer steps in a row were skipped for inf/NaN gradients "
-                                 f"or loss (loss scale now {self.scale:g}); the model is not training. " + _advice)
+                                 f"or loss (loss scale now {self.scale:g}); the model is not training. " + _advice(self))
 
     _keys = ('scale','growth_tracker','hysteresis_tracker','consecutive_skips','init_scale','dynamic','growth_factor',
              'backoff_factor','growth_interval','hysteresis','min_scale','max_scale','max_consecutive_skips')

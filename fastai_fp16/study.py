@@ -47,7 +47,7 @@ class _Losses(Callback):
         if self.training: self.raw.append(self.learn.loss.item())
 
 def train(model:nn.Module, dls:DataLoaders,
-          setup=None, # None: fp32; a name of `RECIPES`; or a dict of `to_half` arguments
+          setup=None, # None: fp32; a name of `RECIPES`; or a dict of `to_half` arguments (dtype: fp16 unless named)
           lr:float=1e-3, epochs:int=1, opt=Adam, loss=nn.CrossEntropyLoss(),
           cbs:list=(), # callbacks for this fit only (to measure it)
           seed:int=0)->tuple: # (learner, loss of each step, error)
@@ -56,7 +56,7 @@ def train(model:nn.Module, dls:DataLoaders,
     for dl in dls.loaders: dl.rng = random.Random(seed)
     learn = Learner(dls, model, loss_func=loss, opt_func=opt, lr=lr)
     # on a CPU, fp16 runs as on a GPU (half storage, fp32 accumulation): `to_half`'s default `fp32_math='auto'`
-    if setup is not None: RECIPES[setup](learn) if isinstance(setup, str) else learn.to_half(**setup)
+    if setup is not None: RECIPES[setup](learn) if isinstance(setup, str) else learn.to_half(**{'dtype': 'fp16', **setup})
     # the claims are about precision: NCHW, as the study ran (`to_half`'s own memory format is `bench`'s subject; its
     # convolutions' other summation order is one more rounding in runs as chaotic as the loss study's)
     learn.remove_cbs([cb for cb in learn.cbs if getattr(cb, '_fp16_auto', False)])

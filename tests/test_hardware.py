@@ -77,6 +77,31 @@ def test_native_kernels_on_a_slow_cpu_warn_once_with_the_fix():
             warnings.simplefilter('always'); fit(learn)
         assert not [w for w in ws if 'slow' in str(w.message)]
 
+def test_slow_kernels_warning_calls_work_as_pasted():
+    "Issue 34.6: each call the slow-kernels warning suggests runs on the Learner whose fit warned, and then fits without it"
+    import re
+    with assume_capabilities(cpu_caps('avx2')):
+        for dt in ('bf16', 'fp16'):
+            ModelToHalf._warned.clear()
+            learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half(dt, fp32_math=False)
+            with warnings.catch_warnings(record=True) as ws:
+                warnings.simplefilter('always'); fit(learn)
+            msg = next(str(w.message) for w in ws if 'slow native kernels' in str(w.message))
+            calls = re.findall(r"`(learn\.[^`]*)`", msg)
+            assert len(calls) == 2, msg
+            for c in calls:
+                assert eval(c, {'learn': learn}) is learn  # as pasted where the warning came from
+                with warnings.catch_warnings(record=True) as ws:
+                    warnings.simplefilter('always'); fit(learn)
+                assert not [w for w in ws if 'slow' in str(w.message)], c
+                assert learn.model_to_half.plan.fast or learn.model_to_half.plan.fp32_math, c
+
+def test_dtype_names_any_case():
+    "Issue 34.6: 'AUTO', 'BF16', 'Float16' plan as their lower-case names; an unknown name lists what is accepted, 'auto' too"
+    caps = cpu_caps('avx512_bf16')
+    for a, b in (('AUTO', 'auto'), ('BF16', 'bf16'), ('Float16', 'fp16')): assert plan_precision(caps, a) == plan_precision(caps, b)
+    with pytest.raises(ValueError, match="'bf16', 'bfloat16'.*or 'auto'"): plan_precision(caps, 'fp8')
+
 def test_inference_without_fast_kernels_runs_fp32():
     "Outside a fit (validate, get_preds) a dtype without fast kernels here runs fp32; with them, half"
     learn = fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half('bf16'))

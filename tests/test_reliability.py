@@ -1,5 +1,5 @@
 "Issue 3: faults, bad input, wrong use, checkpoints and export"
-import torch, torch.nn as nn, pytest, tempfile
+import re, torch, torch.nn as nn, pytest, tempfile
 from pathlib import Path
 from fastai.learner import Learner, load_learner
 from fastai.optimizer import SGD, Adam, OptimWrapper
@@ -22,7 +22,7 @@ def test_nan_batch_is_skipped():
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[16:24] = float('nan')  # the third training batch
     snap = Snap(2)
-    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256.)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half('fp16', init_scale=256.)
     learn.fit(1, 1e-2)
     mp = learn.mixed_precision
     assert mp.skipped == 1 and mp.loss_scale == 256.          # skipped, and the scale not blamed
@@ -36,7 +36,7 @@ def test_nan_micro_batch_skips_its_step():
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[0:8] = float('nan')  # the first batch of the first 4-batch step
     learn = Learner(dls_from(x, y, bs=8), tiny_model(bn=False), loss_func=nn.MSELoss(), opt_func=Adam,
-                    cbs=GradientAccumulation(32)).to_half(init_scale=256.)
+                    cbs=GradientAccumulation(32)).to_half('fp16', init_scale=256.)
     w = params(learn)
     learn.fit(1, 1e-2)  # 6 batches: the step after batch 4 is skipped, the last 2 do not step
     mp = learn.mixed_precision
@@ -57,7 +57,7 @@ def test_nan_value_leaves_batchnorm_stats_exact():
     x, y = torch.randn(64, 4), torch.randn(64, 2)
     x[17, 2] = float('nan')  # one value, in the third training batch
     snap = BNSnap(2, 2)
-    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half(init_scale=256.)
+    learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=snap).to_half('fp16', init_scale=256.)
     learn.fit(1, 1e-2)
     assert learn.mixed_precision.skipped == 1
     assert len(snap.before) == 3 and all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
@@ -72,7 +72,7 @@ def test_nan_micro_batch_restores_the_whole_steps_stats():
     x[9, 0] = float('inf')  # in the second micro-batch of the first 4-batch step
     snap = BNSnap(0, 3)
     learn = Learner(dls_from(x, y, bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam,
-                    cbs=[GradientAccumulation(32), snap]).to_half(init_scale=256.)
+                    cbs=[GradientAccumulation(32), snap]).to_half('fp16', init_scale=256.)
     learn.fit(1, 1e-2)
     assert learn.mixed_precision.skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(snap.before, snap.after))
@@ -84,22 +84,47 @@ def _usable(learn):
     assert fp32_everywhere(learn)
 
 def test_scale_collapse_raises_clear_error():
-    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half()
+    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half('fp16')
     with pytest.raises(LossScaleError, match='minimum loss scale') as e: learn.fit(1, 1e-2)
     assert 'bf16' in str(e.value) and 'learning rate' in str(e.value)
     assert learn.mixed_precision.skipped == 17
     learn.loss_func = nn.MSELoss(); _usable(learn)
 
 def test_consecutive_skips_raise():
-    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half(init_scale=4., dynamic=False, max_consecutive_skips=5)
+    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=lambda p, y: (p.float()*1e6).sum()).to_half('fp16', init_scale=4., dynamic=False, max_consecutive_skips=5)
     with pytest.raises(LossScaleError, match='5 optimizer steps in a row'): learn.fit(1, 1e-2)
+
+@pytest.mark.parametrize('dtype,kw,loss', [('fp16', {}, lambda p, y: (p.float()*1e6).sum()),  # dynamic scale, collapses
+                                           ('bf16', dict(max_consecutive_skips=3), lambda p, y: p.float().sum()*float('nan'))])
+def test_loss_scale_error_calls_work_as_pasted(dtype, kw, loss):
+    "Issue 34.6: every call a LossScaleError suggests runs on the Learner it came from, and passes no default value"
+    import re, ast, inspect
+    learn = Learner(synth_dls(n=256, bs=8), tiny_model(), loss_func=loss).to_half(dtype, **kw)
+    with pytest.raises(LossScaleError) as e: learn.fit(1, 1e-2)
+    calls = re.findall(r"`(learn\.[^`]*)`", str(e.value))
+    assert len(calls) >= 2, str(e.value)
+    sig = inspect.signature(Learner.to_half).parameters
+    learn.loss_func = nn.MSELoss()
+    for c in calls:
+        for node in ast.walk(ast.parse(c)):
+            if isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'to_half':
+                given = dict(zip(['dtype'], map(ast.literal_eval, node.args))) | {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                assert all(v != sig[k].default for k,v in given.items()), (c, 'suggests a default')
+                want = half_dtype(given['dtype'])
+        res = eval(c, {'learn': learn})  # as pasted where the error happened
+        assert res is learn
+        got = getattr(learn, 'model_to_half', None)
+        if 'to_half' in c: assert got is not None and got.dtype == want, c
+        else: assert not any(isinstance(cb, (ModelToHalf, MixedPrecision)) for cb in learn.cbs), c
+        learn.fit(1, 1e-3)  # and it trains
+        assert fp32_everywhere(learn)
 
 def test_exception_mid_fit_leaves_learner_usable():
     class Boom(Callback):
         def after_loss(self):
             if self.training and self.iter == 3: raise RuntimeError('boom')
     snap = Snap(-1)
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=[Boom(), snap]).to_half(init_scale=256.)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, cbs=[Boom(), snap]).to_half('fp16', init_scale=256.)
     with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
     got = torch.cat([p.detach().reshape(-1) for p in learn.model.parameters()])
     assert torch.equal(got, torch.cat([m.reshape(-1) for m in snap.masters]))  # the model holds the masters' values
@@ -134,7 +159,7 @@ def test_nested_inputs_and_outputs():
     class Unpack(Callback):
         order = 5
         def before_batch(self): self.learn.xb = self.xb[0]
-    learn = Learner(dls, model, loss_func=loss, cbs=Unpack()).to_half()
+    learn = Learner(dls, model, loss_func=loss, cbs=Unpack()).to_half('fp16')
     learn.fit(1, 1e-2)
     assert set(model.seen) == {(torch.float16, torch.long, torch.bool)}
     assert set(seen) == {(torch.float32, torch.float32)}
@@ -143,7 +168,7 @@ def test_nested_inputs_and_outputs():
 def test_frozen_params_and_discriminative_lrs():
     m = tiny_model(bn=False)
     groups = [list(m[0].parameters()), list(m[3].parameters())]
-    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=SGD, splitter=lambda _: groups).to_half()
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=SGD, splitter=lambda _: groups).to_half('fp16')
     w0 = params(learn)
     learn.fit(1, lr=[0., 1e-2])   # group 0 at lr 0 must not move, not even by a rounding
     w1 = params(learn)
@@ -156,15 +181,15 @@ def test_wrong_use_is_caught_at_before_fit():
     class Split(Callback):  # after fastai moved the model (TrainEvalCallback), before ModelToHalf: one param elsewhere
         order = 0
         def before_fit(self): self.model[3].bias = nn.Parameter(torch.zeros(2, device='meta'))
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=Split()).to_half()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=Split()).to_half('fp16')
     with pytest.raises(ValueError, match='needs the model on one device'): learn.fit(1)
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
-    learn.add_cb(ModelToHalf())
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16')
+    learn.add_cb(ModelToHalf(torch.float16))
     with pytest.raises(ValueError, match='more than once'): learn.fit(1)
 
 def test_resume_from_save_model_callback():
     tmp = Path(tempfile.mkdtemp())
-    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp).to_half(growth_interval=4)
+    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp).to_half('fp16', growth_interval=4)
     a = mk()
     a.fit(3, 1e-2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
     sd = torch.load(tmp/'models/model_0.pth', weights_only=False)
@@ -180,7 +205,7 @@ def test_load_during_fit_goes_on_from_the_loaded_weights(tmp_path):
     class Loader(Callback):
         def after_epoch(self):
             if self.epoch == 0: self.learn.load('w')
-    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half(init_scale=256.)
+    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half('fp16', init_scale=256.)
     a = mk(); a.fit(1, 1e-2); a.save('w')  # weights, Adam's state and the loss scaler's
     b = mk(); b.fit(2, 1e-2, cbs=Loader())  # epoch 0 trains from other weights, then loads 'w'
     c = mk(); c.load('w'); c.fit(1, 1e-2)   # what epoch 1 of b must be
@@ -194,7 +219,7 @@ class Seen(Callback):
 
 def test_export_and_load_learner():
     tmp = Path(tempfile.mkdtemp())
-    learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half()
+    learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half('fp16')
     learn.fit(1, 1e-2)
     preds = learn.get_preds()[0]
     learn.export('e.pkl')
@@ -219,7 +244,7 @@ def test_exception_mid_fit_cleans_diagnostics():
     x, y = torch.rand(40, 3, 8, 8), torch.randint(0, 2, (40,))
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     learn = Learner(dls_from(x, y, bs=8, n_valid=8), model, loss_func=nn.CrossEntropyLoss(),
-                    cbs=[Boom(), PrecisionMonitor(every=1)]).to_half(fp32_math=True)  # fp16 layers patched for fp32 math
+                    cbs=[Boom(), PrecisionMonitor(every=1)]).to_half('fp16', fp32_math=True)  # fp16 layers patched for fp32 math
     metrics = list(learn.metrics)
     with pytest.raises(RuntimeError, match='boom'): learn.fit(1, 1e-2)
     assert '_conv_forward' not in model[0].__dict__ and 'forward' not in model[5].__dict__ and list(learn.metrics) == metrics
@@ -228,7 +253,7 @@ def test_exception_mid_fit_cleans_diagnostics():
 def test_misuse_in_validate_does_not_leave_fastai_locked():
     "fastai 2.8.7 leaves `learn.lock` held when `before_fit` raises in `validate`: our errors come at the first batch"
     import threading
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(), ModelToHalf(), MixedPrecision()])
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(torch.float16), ModelToHalf(torch.float16), MixedPrecision()])
     errors = []
     def twice():
         for _ in range(2):
@@ -295,7 +320,7 @@ def test_half_model_is_made_fp32_first(made, dtype):
 
 def test_half_model_said_once():
     import warnings
-    learn = Learner(synth_dls(), tiny_model().half(), loss_func=nn.MSELoss()).to_half(init_scale=256.)
+    learn = Learner(synth_dls(), tiny_model().half(), loss_func=nn.MSELoss()).to_half('fp16', init_scale=256.)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
         learn.fit(1, 1e-2)
@@ -308,20 +333,20 @@ def test_half_model_said_once():
 def test_two_precision_systems_are_refused(method, fix):
     "Issue 14.4: fastai's own mixed precision and `to_half()`, in either order, fail at once and say how to keep one"
     import re
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16')
     cbs = list(learn.cbs)
     with pytest.raises(ValueError, match=re.escape('learn.to_float()')): getattr(learn, method)()
     assert list(learn.cbs) == cbs and type(learn.mixed_precision) is MixedPrecision  # nothing added
     learn = getattr(Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()), method)()
-    with pytest.raises(ValueError, match=re.escape(fix)): learn.to_half()
+    with pytest.raises(ValueError, match=re.escape(fix)): learn.to_half('fp16')
     assert not any(type(cb).__module__.startswith('fastai_fp16') for cb in learn.cbs)
     getattr(learn, fix.split('.')[1][:-2])()  # as the message says
-    learn.to_half().fit(1, 1e-2)
+    learn.to_half('fp16').fit(1, 1e-2)
     assert fp32_everywhere(learn) and learn.mixed_precision.skipped < 3
 
 def test_fastai_mixed_precision_with_our_model_to_half_names_both():
     from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(), FastaiMixedPrecision()])
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(torch.float16), FastaiMixedPrecision()])
     with pytest.raises(ValueError) as e: learn.fit(1)
     assert "fastai's own mixed precision (MixedPrecision from fastai.callback.fp16" in str(e.value)
     assert 'fastai_fp16.callbacks.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
@@ -366,6 +391,9 @@ def test_two_dtypes_error_gets_one_hint():
     assert len(notes) == 1 and 'x.new_zeros(n)' in notes[0] and 'keep_fp32' in notes[0]
     assert fp32_everywhere(learn)
     learn.to_float().to_half('bf16', fp32_math=False, keep_fp32=['']).fit(1, 1e-2)  # the whole model in fp32: it runs
+    call = re.search(r"`(learn\.to_float\(\)\.to_half\(.*?\))`", notes[0]).group(1)  # the note's call, as pasted where it came
+    eval(call.replace("'its.name'", "''"), {'learn': learn}).fit(1, 1e-2)              # (the root module's name: '')
+    assert learn.model_to_half.dtype == torch.bfloat16
 
 @pytest.mark.parametrize('kw', [dict(growth_factor=float('inf')), dict(max_scale=float('inf')), dict(min_scale=float('nan')),
                                 dict(growth_interval=float('inf')), dict(hysteresis=float('nan')), dict(max_consecutive_skips=float('inf'))])
@@ -393,7 +421,7 @@ def test_unknown_dtype_in_state_refused():
 
 @pytest.mark.parametrize('key,value', [('scale', float('nan')), ('scale', 'x'), ('dtype', 'fp8')])
 def test_learn_load_of_corrupt_scaler_state_raises(tmp_path, key, value):
-    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half()
+    mk = lambda: Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, path=tmp_path).to_half('fp16')
     a = mk(); a.fit(1, 1e-2); a.save('ep1')
     f = tmp_path/'models/ep1.pth'
     sd = torch.load(f, weights_only=False)
@@ -403,7 +431,10 @@ def test_learn_load_of_corrupt_scaler_state_raises(tmp_path, key, value):
     torch.save(sd, f)
     b = mk(); b.create_opt()
     before, opt_before = b.mixed_precision.state_dict(), b.opt.state_dict()
-    with pytest.raises(ValueError, match=f"ep1.*cannot be loaded: .*'{key}' must be"): b.load('ep1')
+    with pytest.raises(ValueError, match=f"ep1.*cannot be loaded: .*'{key}' must be") as e: b.load('ep1')
     assert b.mixed_precision.state_dict() == before
+    call = re.search(r"`(learn\.load\(.*?\))`", str(e.value)).group(1)  # the call the error suggests works as pasted
+    eval(call, {'learn': b})
+    assert all(torch.equal(p, q) for p,q in zip(b.model.parameters(), a.model.parameters()))
     assert b.opt.state_dict()['state'] == opt_before['state']  # the optimizer left as it was: no step counts, no averages
     assert not any('grad_avg' in s for s in b.opt.state_dict()['state']) and any('grad_avg' in s for s in sd['opt']['state'])

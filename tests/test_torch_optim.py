@@ -17,7 +17,7 @@ def test_adamw_equals_the_recipe_by_hand():
     N, lr, steps = 64, 1e-2, 8
     lin, x, y, master_params = recipe_by_hand(torch.optim.AdamW, steps, lr, N)
     learn = Learner(dls_from(torch.cat([x, x[:16]]), torch.cat([y, y[:16]]), bs=N), lin, loss_func=nn.MSELoss(), opt_func=AdamW)
-    learn.to_half(init_scale=128, dynamic=False)
+    learn.to_half('fp16', init_scale=128, dynamic=False)
     learn.fit(steps, lr)
     for a, b in zip(learn.model.parameters(), master_params): assert torch.equal(a, b)
     assert fp32_everywhere(learn) and opt_on_model(learn)
@@ -33,7 +33,7 @@ def test_foreach_and_fused_train(kw):
 
 def test_resume_from_save_model_callback():
     tmp = Path(tempfile.mkdtemp())
-    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=AdamW, path=tmp).to_half(growth_interval=4)
+    def mk(): return Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=AdamW, path=tmp).to_half('fp16', growth_interval=4)
     a = mk()
     a.fit(3, 1e-2, cbs=SaveModelCallback(every_epoch=True, with_opt=True))
     sd = torch.load(tmp/'models/model_0.pth', weights_only=False)
@@ -45,7 +45,7 @@ def test_resume_from_save_model_callback():
     assert a.mixed_precision.state_dict() == b.mixed_precision.state_dict()
 
 def test_lr_find_leaves_model_optimizer_and_scaler():
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=AdamW).to_half()
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), opt_func=AdamW).to_half('fp16')
     learn.fit(1, 1e-2)
     def opt_state(): return [(k, v.clone()) for s in learn.opt.state_dict()['state'].values() for k, v in sorted(s.items())]
     w, st, sc = params(learn), opt_state(), learn.mixed_precision.state_dict()
@@ -57,7 +57,7 @@ def test_lr_find_leaves_model_optimizer_and_scaler():
 def test_freeze_unfreeze_and_discriminative_lrs():
     m = tiny_model()
     groups = [list(m[:3].parameters()), list(m[3].parameters())]
-    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=AdamW, splitter=lambda _: groups).to_half()
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=AdamW, splitter=lambda _: groups).to_half('fp16')
     body0 = [p.detach().clone() for p in m[0].parameters()]
     learn.freeze(); learn.fit(1, 1e-2)   # fastai trains BatchNorm in a frozen group (train_bn): the Linear is frozen
     assert all(torch.equal(a, b) for a, b in zip(m[0].parameters(), body0))
@@ -87,7 +87,7 @@ def test_params_that_stop_getting_grads_are_not_stepped():
     for half in (False, True):
         torch.manual_seed(0); rec = _FirstBatchOnly()
         learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=AdamW, cbs=rec)
-        if half: learn.to_half(init_scale=128, dynamic=False)
+        if half: learn.to_half('fp16', init_scale=128, dynamic=False)
         learn.fit(2, 1e-2)
         runs.append(rec.ws)
     for ws in runs: assert len(ws) > 2 and torch.equal(ws[0], ws[-1])  # moved by the first step only

@@ -13,13 +13,13 @@ def test_nvidia_recipe_equals_learner():
     N, lr, steps = 64, 1e-2, 10
     lin, x, y, master_params = recipe_by_hand(torch.optim.SGD, steps, lr, N)
     learn = Learner(dls_from(torch.cat([x, x[:16]]), torch.cat([y, y[:16]]), bs=N), lin, loss_func=nn.MSELoss(), opt_func=SGD)
-    learn.to_half(init_scale=128, dynamic=False)
+    learn.to_half('fp16', init_scale=128, dynamic=False)
     learn.fit(steps, lr)
     assert learn.mixed_precision.scales == [128.]*steps
     for a, b in zip(learn.model.parameters(), master_params): assert torch.equal(a, b)
 
 def test_flat_master_is_retired_with_a_clear_error():
-    with pytest.raises(ValueError, match='flat_master=True was retired'): Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half(flat_master=True)
+    with pytest.raises(ValueError, match='flat_master=True was retired'): Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16', flat_master=True)
 
 class _OptState(Callback):
     "Adam's per-param state as the optimizer holds it at the last step of the fit"
@@ -41,22 +41,22 @@ def test_channels_last_params_grads_and_state():
     assert any(not torch.equal(a, b) for a, b in zip(w, params(learn))) and fp32_everywhere(learn)
 
 def test_growth_after_interval():
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss()).to_half(init_scale=4., growth_interval=2)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16', init_scale=4., growth_interval=2)
     learn.fit(1, 1e-3)
     assert learn.mixed_precision.scales == [4., 4., 8., 8., 16., 16.]
 
 def test_clip_bounds_master_grad_norm():
     spy = StepSpy()
-    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half(clip=0.05)
+    learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half('fp16', clip=0.05)
     learn.fit(1, 1e-2)
     assert spy.steps + learn.mixed_precision.skipped == 6 and spy.steps >= 4
     assert max(spy.norms) <= 0.05 * (1 + 1e-4)
     spy2 = StepSpy()
-    Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half().fit(1, 1e-2)
+    Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half('fp16').fit(1, 1e-2)
     assert max(spy2.norms) > 0.05  # so the clip did something
 
 def test_after_fit_state():
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam).to_half()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam).to_half('fp16')
     learn.fit(1, 1e-2)
     assert fp32_everywhere(learn) and opt_on_model(learn)
     for cb in (learn.model_to_half, learn.mixed_precision):
@@ -69,7 +69,7 @@ def test_loss_decreases_on_digits():
     x, y = torch.tensor(d.data, dtype=torch.float32)/16, torch.tensor(d.target)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
-    learn = Learner(dls_from(x, y, bs=64, n_valid=297), model, loss_func=CrossEntropyLossFlat(), metrics=accuracy).to_half()
+    learn = Learner(dls_from(x, y, bs=64, n_valid=297), model, loss_func=CrossEntropyLossFlat(), metrics=accuracy).to_half('fp16')
     before = learn.validate()[0]
     learn.fit(3, 1e-2)
     loss, acc = learn.validate()
@@ -95,7 +95,7 @@ def test_recorded_loss_is_unscaled():
     for half in (False, True):
         spy = LossSpy()
         learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=spy)
-        if half: learn.to_half(init_scale=2.**10, dynamic=False)
+        if half: learn.to_half('fp16', init_scale=2.**10, dynamic=False)
         learn.fit(1, 1e-2)
         runs.append((spy.losses, learn.recorder.losses[-1].item()))
     (l32, r32), (l16, r16) = runs
@@ -109,7 +109,7 @@ def test_non_affine_batchnorm_stays_fp32():
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, affine=False), nn.ReLU(), nn.Linear(8, 2))
     rv = model[1].running_var.clone()
     seen = Seen()
-    learn = Learner(synth_dls(), model, loss_func=nn.MSELoss(), cbs=seen).to_half()
+    learn = Learner(synth_dls(), model, loss_func=nn.MSELoss(), cbs=seen).to_half('fp16')
     learn.fit(1, 1e-2)
     assert seen.dtypes == (torch.float32, None)
     assert model[1].running_var.dtype == torch.float32 and not torch.equal(model[1].running_var, rv)
@@ -119,7 +119,7 @@ def test_fine_tune():
     import fastai.callback.schedule  # fine_tune, fit_one_cycle
     m = tiny_model()
     groups = [list(m[:3].parameters()), list(m[3].parameters())]
-    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), splitter=lambda _: groups).to_half()
+    learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), splitter=lambda _: groups).to_half('fp16')
     body0 = [p.detach().clone() for p in m[0].parameters()]
     class BodySpy(Callback):
         order = 100
@@ -138,7 +138,7 @@ def test_unused_params_are_not_stepped(half):
         def forward(self, x): return self.body(x)
     m = TwoHeads(); idle0 = [p.detach().clone() for p in m.idle.parameters()]
     learn = Learner(synth_dls(), m, loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1)
-    if half: learn.to_half()
+    if half: learn.to_half('fp16')
     learn.fit(2, 1e-2)
     assert all(torch.equal(a, b) for a, b in zip(m.idle.parameters(), idle0))
 
@@ -162,7 +162,7 @@ def test_params_that_stop_getting_grads_step_as_in_fp32(keep):
     for half in (False, True):
         torch.manual_seed(0); rec = _FirstBatchOnly()
         learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=rec)
-        if half: learn.to_half(keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
+        if half: learn.to_half('fp16', keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
         learn.fit(2, 1e-2)
         runs.append(rec.ws)
     (fp32, ours) = runs
@@ -183,7 +183,7 @@ def test_dropped_master_grads_train_identically():
     for keep in (True, False):
         held = _HeldBetweenSteps()
         learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=held)
-        learn.to_half(keep_master_grads=keep).fit(2, 1e-2)
+        learn.to_half('fp16', keep_master_grads=keep).fit(2, 1e-2)
         res.append(params(learn))
         assert len(held.held) > 4 and all(all(h) == keep and any(h) == keep for h in held.held)
     assert all(torch.equal(a, b) for a, b in zip(*res))
@@ -226,6 +226,6 @@ def test_keep_fp32_keeps_updated_buffers_exact(keep):
     assert fp32_everywhere(learn) and not any(m._forward_hooks or m._forward_pre_hooks for m in learn.model.modules())
 
 def test_keep_fp32_unknown_name_is_a_clear_error():
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half(keep_fp32=['body.ema'])
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16', keep_fp32=['body.ema'])
     with pytest.raises(ValueError, match="'body.ema' names no module, parameter or buffer"): learn.fit(1)
     assert fp32_everywhere(learn)

@@ -19,7 +19,7 @@ def test_half_copies_made_where_fastai_moved_the_model():
     class NewOpt(Callback):  # moving to `meta` makes new Parameters (to CUDA keeps them), so the optimizer is remade for them
         order = -9  # right after TrainEvalCallback moved the model
         def before_fit(self): self.learn.create_opt()
-    learn = Learner(synth_dls(device='meta'), tiny_model(), loss_func=nn.MSELoss(), cbs=[NewOpt(), w := Where()]).to_half(guard_buffers=False)
+    learn = Learner(synth_dls(device='meta'), tiny_model(), loss_func=nn.MSELoss(), cbs=[NewOpt(), w := Where()]).to_half('fp16', guard_buffers=False)
     with pytest.raises(Exception, match='meta'): learn.fit(1)  # meta tensors hold no values: reading the overflow flag fails
     assert w.seen == ({'meta'}, {torch.float32}, {'meta'}, {torch.float32})  # the fp32 params at rest, stepped there
     assert {t.device.type for t in [*learn.model.parameters(), *learn.model.buffers()]} == {'meta'}  # and left there, fp32
@@ -64,7 +64,7 @@ class Dtypes(Callback):
 
 def test_tta_runs_as_get_preds():
     "fastai's `tta` fires `before_fit` without `learn.lock`: it is no fit, so it runs in `get_preds`' precision"
-    learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=(d := Dtypes())).to_half()
+    learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=(d := Dtypes())).to_half('fp16')
     learn.fit(1, 1e-2)
     preds, _ = learn.get_preds()
     assert d.seen == {torch.float32}  # fp16 has no fast CPU kernels: predictions run fp32
@@ -113,7 +113,7 @@ def test_mixup_preview_by_hand(dtype):
     assert fp32_everywhere(learn)
 
 def test_one_batch_without_before_fit_says_why():
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16')
     learn.create_opt()
     with pytest.raises(RuntimeError, match='before_fit'): learn.one_batch(0, learn.dls.one_batch())
     assert fp32_everywhere(learn)
