@@ -32,8 +32,9 @@ def _check_setup(learn):
                          "Call `learn.to_float()` to remove them, then `learn.to_half(...)` once.")
     if not n['mixed']:
         raise ValueError("fastai_fp16's ModelToHalf makes the model half, but there is no fastai_fp16 MixedPrecision to cast the "
-                         "inputs and handle the gradients. Use `learn.to_half()`; for the study's pure fp16, `learn.to_half("
-                         "bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, dynamic=False)`.")
+                         "inputs and handle the gradients. Use `learn.to_float().to_half()` (it adds all three); for the study's pure fp16, "
+                         "`learn.to_float().to_half('fp16', bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, "
+                         "dynamic=False)`.")
     mps[0]._check_fit()  # its settings against this fit (fused_step)
 
 def _checked(cb)->bool:
@@ -104,17 +105,17 @@ class _Casts:
                 c = cs.get(id(p))
                 if c is None: c = cs[id(p)] = p.to(self.dt)  # once per tensor (tied weights share one); keeps the memory format
                 self.casts.append(c)
-        self._put()
+        self._put(refresh=True)
 
     def reopen(self):
         "For the backward: the forward's casts back in the model, so that a checkpointed block's recomputation meets them"
-        if not self.up and self.kept: self._put()
+        if not self.up and self.kept: self._put(refresh=False)  # the copies as the forward left them (its graph saved some)
 
-    def _put(self):
+    def _put(self, refresh:bool):
         self.up, self.kept, self.born, model = True, False, [], self.model
         if self.f32 is None:
             for (d,n,_),c in zip(self.pr, self.casts): d[n] = c
-            if self.br:
+            if self.br and refresh:
                 with torch.no_grad():
                     hbs = [t[3] for t in self.br]
                     torch._foreach_copy_(hbs, [t[2] for t in self.br]); torch._foreach_copy_([t[4] for t in self.br], hbs)
@@ -157,7 +158,8 @@ class _Casts:
                 d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == self.dt else cur
                 self.dirty = True
                 if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
-                e = (d, n, e, torch.empty_like(e, dtype=self.dt), torch.empty_like(e, dtype=self.dt))  # its copies for the backward
+                h = e.to(self.dt)
+                e = (d, n, e, h, h.clone())  # its copies, for the backward's recomputation and the next batch
             br.append(e)
         self.br = br
 
@@ -197,7 +199,7 @@ class ModelToHalf(Callback):
         keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
     ):
         self.keep_fp32 = keep_fp32
-        self.dtype = 'auto' if isinstance(dtype, str) and dtype.lower() == 'auto' else half_dtype(dtype)
+        self.dtype = half_dtype(dtype, auto=True)  # names in any case
         self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
     def _check(self):

@@ -73,12 +73,11 @@ class PrecisionMonitor(Callback):
             names = [n for (n,_,_),b in zip(self._layers, bad) if b]
             self.overflows.append(dict(step=self.step, start=names[-1], layers=names, loss_scale=self.scale))
         if self.step % self.every == 0 or any(bad):
-            # ours unscaled the grads into fp32 (`MixedPrecision.after_backward`, order 12): times the scale (a power of two),
-            # they are again the half grads the backward computed, exactly; fastai's `to_fp16` unscales at its step
-            s = self.scale if self._mp is not None else 1.
+            # the grads as the backward computed them, scaled: ours unscale at the step (`MixedPrecision.before_step`), as
+            # fastai's `to_fp16` does; a converted param's fp32 grad holds its half grad exactly (the cast's backward widens it)
             for (n,m,_),gs in zip(self._layers, grads):
                 if not gs: continue
-                g = torch.cat([x.detach().reshape(-1) for x in gs]) * s
+                g = torch.cat([x.detach().reshape(-1) for x in gs])
                 h = g.to(self._dt)
                 fin = torch.isfinite(g)
                 self.records.append(dict(step=self.step, layer=n, kind=type(m).__name__,

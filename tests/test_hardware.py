@@ -18,10 +18,13 @@ def conv_dls(seed=0):
 class Seen(Callback):
     "The dtypes of the conv weight and input, and whether the conv layer was patched, at each training batch"
     order = 20
-    def before_fit(self): self.got = set()
+    def before_fit(self):
+        self.got, self.x = set(), None
+        self.h = self.model[0].register_forward_pre_hook(lambda m, a: setattr(self, 'x', a[0].dtype))  # the input the layer gets
     def after_pred(self):
         m = self.model[0]
-        self.got.add((m.weight.dtype, self.xb[0].dtype, '_conv_forward' in m.__dict__, 'forward' in self.model[5].__dict__))
+        self.got.add((m.weight.dtype, self.x, '_conv_forward' in m.__dict__, 'forward' in self.model[5].__dict__))
+    def after_fit(self): self.h.remove()
 
 def fit(learn, n=1, lr=1e-2, **kw):
     with learn.no_bar(), learn.no_logging(): learn.fit(n, lr, **kw)

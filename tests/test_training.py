@@ -155,14 +155,13 @@ class _FirstBatchOnly(Callback):
     def before_batch(self): self.model.use_idle = self.training and self.iter == 0 and self.epoch == 0
     def after_step(self): self.ws.append(self.model.idle.weight.detach().float().clone())
 
-@pytest.mark.parametrize('keep', [True, False, None])
-def test_params_that_stop_getting_grads_step_as_in_fp32(keep):
+def test_params_that_stop_getting_grads_step_as_in_fp32():
     "fastai zeroes grads in place, so a param that had a grad keeps stepping on zeros (Adam momentum, wd): ours too"
     runs = []
     for half in (False, True):
         torch.manual_seed(0); rec = _FirstBatchOnly()
         learn = Learner(synth_dls(), _Sometimes(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=rec)
-        if half: learn.to_half('fp16', keep_master_grads=keep, init_scale=128, dynamic=False)  # no skipped first step
+        if half: learn.to_half('fp16', init_scale=128, dynamic=False)  # no skipped first step
         learn.fit(2, 1e-2)
         runs.append(rec.ws)
     (fp32, ours) = runs
@@ -170,23 +169,9 @@ def test_params_that_stop_getting_grads_step_as_in_fp32(keep):
     assert not torch.equal(ours[-1], ours[0])  # ...and so do we
     assert torch.allclose(ours[-1], fp32[-1], atol=2e-3), (ours[-1] - fp32[-1]).abs().max()
 
-class _HeldBetweenSteps(Callback):
-    "Whether MixedPrecision holds fp32 grad buffers for the masters during the backward pass"
-    order = 20
-    def before_fit(self): self.held = []
-    def before_backward(self):
-        if self.train_iter: self.held.append([g is not None for *_,g in self.learn.mixed_precision._run.aside])
-
-def test_dropped_master_grads_train_identically():
-    "keep_master_grads=False (CUDA's default): no fp32 grad buffers in the backward pass, the same weights"
-    res = []
-    for keep in (True, False):
-        held = _HeldBetweenSteps()
-        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=Adam, wd=0.1, cbs=held)
-        learn.to_half('fp16', keep_master_grads=keep).fit(2, 1e-2)
-        res.append(params(learn))
-        assert len(held.held) > 4 and all(all(h) == keep and any(h) == keep for h in held.held)
-    assert all(torch.equal(a, b) for a, b in zip(*res))
+def test_retired_keep_master_grads_says_so():
+    "The grads' buffers between steps were retired with the half copies: autograd accumulates into the params' own"
+    with pytest.raises(ValueError, match='keep_master_grads was retired'): MixedPrecision(keep_master_grads=True)
 
 @pytest.mark.parametrize('mix', ['MixUp', 'CutMix'])
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])

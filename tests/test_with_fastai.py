@@ -36,8 +36,8 @@ def wgan(dtype, clip=0.01, n=64, seed=0):
     return learn.to_half(dtype) if dtype else learn
 
 class GANSpy(Callback):
-    "After GANTrainer's clamp (order 0), before our `before_batch` (12): the critic's fp32 weights; at each step, what the optimizer steps"
-    order = 11
+    "After GANTrainer's clamp (order 0), before our `before_batch` (10): the critic's fp32 weights; at each step, what the optimizer steps"
+    order = 9
     def before_fit(self): self.crit, self.steps = [], {True: [], False: []}
     def before_batch(self):
         if self.training: self.crit.append(max(p.abs().max().item() for p in self.model.critic.parameters()))
@@ -108,7 +108,8 @@ def test_mixup_preview_by_hand(dtype):
             learn._split(b)
             learn('before_train')
             learn('before_batch')
-            assert learn.xb[0].dtype == (torch.bfloat16 if dtype == 'bf16' else torch.float32)  # fp16: fp32 outside a fit
+            assert learn.xb[0].dtype == torch.float32  # the batch as it comes: the model casts it as it gets it
+            assert learn.model[0].weight.dtype == (torch.bfloat16 if dtype == 'bf16' else torch.float32)  # fp16: fp32 outside a fit
             assert learn.opt is None
     assert fp32_everywhere(learn)
 
