@@ -277,7 +277,7 @@ def plot_losses(res:pd.DataFrame, # `compare`'s result
         _curve(dax, k, m, n, nm, range(skip_start, len(d)), d[skip_start:]); ds.append(d[skip_start:])
     # small differences next to large ones (another optimizer, a diverged run): linear near 0, log beyond
     a = np.abs(np.concatenate(ds)); a = a[np.isfinite(a) & (a > 0)]
-    if len(a): dax.set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=1.5)
+    if len(a): dax.set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=3)
     dax.set(xlabel='step', ylabel="loss minus fp32's")
     return lax, dax
 
