@@ -4,19 +4,22 @@
 
 # %% ../nbs/12_cli.ipynb #e16a1f7d
 from __future__ import annotations
-import contextlib, sys, warnings
+import contextlib, sys, textwrap, warnings
 # fastai's import runs `torch.jit.script`, deprecated in torch 2.14: not the user's concern, so not on every command
 warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
-import numpy as np, pandas as pd, torch
+import numpy as np, pandas as pd, torch, fastai
 from fastcore.script import call_parse
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.torch_core import set_seed
 from .data import digits_dls, imagenette_dls
-from .experiments import RECIPES, archs, compare, cudnn_state, plot_losses, plot_loss_scale
+from . import __version__
+from .experiments import RECIPES, archs, compare, cudnn_state, plot_losses, plot_loss_scale, _TableLog
+from .half_model import ModelToHalf
+from .fit_guard import _find_cb
 from .bench import bench
 from .cli_parser import cli_parser, dashed
 from .doctor import doctor
@@ -79,8 +82,11 @@ def write_results(res:pd.DataFrame, out:str|Path, note:str='')->Path:
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     res.to_csv(out/'results.csv')
     (out/'results.md').write_text(md_table(res.drop(columns='error') if not res.error.any() else res) + (f'\n{note}\n' if note else ''))
-    for fn,name in ((plot_losses,'losses.png'), (plot_loss_scale,'loss_scale.png')):
-        fig = Figure(figsize=(7,4)); fn(res, ax=fig.subplots()); fig.savefig(out/name, dpi=100, bbox_inches='tight')
+    two = 'fp32' in res.attrs['losses'] and len(res.attrs['losses']) > 1  # the differences to fp32's loss below
+    fig = Figure(figsize=(7,6.5) if two else (7,4))
+    plot_losses(res, ax=fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=(3,2))) if two else fig.subplots())
+    fig.savefig(out/'losses.png', dpi=100, bbox_inches='tight')
+    fig = Figure(figsize=(7,4)); plot_loss_scale(res, ax=fig.subplots()); fig.savefig(out/'loss_scale.png', dpi=100, bbox_inches='tight')
     return out
 
 # %% ../nbs/12_cli.ipynb #9ab8ed99
@@ -89,7 +95,7 @@ def _det(deterministic:bool)->str: return f"cuDNN deterministic: {'yes' if deter
 @call_parse
 def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every recipe the device can run)
                 data:str='digits', # digits (embedded), imagenette (downloaded) or the path of an Imagenette-style folder
-                arch:str=None, # a model of `archs` (default: small_cnn; resnet50 for Imagenette on a GPU)
+                arch:str=None, # the model (default: small_cnn; resnet50 for Imagenette on a GPU)
                 size:int=None, # image size (default: 32 for digits, 160 for Imagenette)
                 bs:int=64, # batch size
                 epochs:int=3, # epochs per recipe
@@ -117,13 +123,16 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
     return res
 
 @call_parse
-def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, dynamic scale), bf16, or auto (the fast one here)
-              data:str='digits', # digits, imagenette or the path of an Imagenette-style folder
-              arch:str=None, # a model of `archs` (default as for compare)
-              size:int=None, # image size
-              bs:int=64, epochs:int=3, lr:float=1e-2,
+def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its kernels are fast, else fp16 on a GPU, else fp32), fp16 (fp32 masters, fp32 BatchNorm, dynamic loss scale), bf16 or fp32
+              data:str='digits', # digits (embedded), imagenette (downloaded) or the path of an Imagenette-style folder
+              arch:str=None, # the model (default: small_cnn; resnet50 for Imagenette on a GPU)
+              size:int=None, # image size (default: 32 for digits, 160 for Imagenette)
+              bs:int=64, # batch size
+              epochs:int=3, # epochs, in one cycle
+              lr:float=1e-2, # maximum learning rate of the cycle
               out:str='fp16_train', # folder for the exported learner `model.pkl`
-              device:str=None, seed:int=42,
+              device:str=None, # cpu or cuda (default: cuda when available)
+              seed:int=42, # seed for the initial weights, shuffling and augmentation
               fp32_math:str='auto', # convs and linear layers in fp32 math: auto (where the dtype is slow here), on, off
               deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
              ):
@@ -138,11 +147,16 @@ def train_cmd(precision:str='fp16', # fp32, fp16 (fp32 masters, fp32 BatchNorm, 
     dls = dls_fn(bs=bs, size=size, device=device)
     learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
     if precision != 'fp32': learn.to_half(precision, fp32_math=f32)
-    with cudnn_state(deterministic), learn.no_bar() if not sys.stdout.isatty() else contextlib.nullcontext():
+    tty = sys.stdout.isatty()
+    # fastai's progress bars and table in a terminal; to a file or a pipe, the table's lines, one an epoch
+    if not tty: learn.logger = _TableLog(learn)
+    with cudnn_state(deterministic), learn.no_bar() if not tty else contextlib.nullcontext():
         learn.fit_one_cycle(epochs, lr)
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     learn.export(out.absolute()/'model.pkl')
-    print(f"{precision} {arch} on {data}, {_det(deterministic)}: valid loss {learn.recorder.values[-1][1]:.4f}, accuracy "
+    mth = _find_cb(learn, ModelToHalf)
+    ran = precision + (f" ({mth.plan.kernels})" if mth is not None and getattr(mth, 'plan', None) else '')
+    print(f"{ran} {arch} on {data}, {_det(deterministic)}: valid loss {learn.recorder.values[-1][1]:.4f}, accuracy "
           f"{learn.recorder.values[-1][2]:.4f}. Exported to {out/'model.pkl'}")
     return learn
 
@@ -159,20 +173,39 @@ def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
 
 # %% ../nbs/12_cli.ipynb #a681ba96
 _cmds = dict(compare=compare_cmd, study=study_cmd, train=train_cmd, doctor=doctor_cmd, bench=bench)
+_choices = dict(compare=dict(arch=archs), train=dict(arch=archs))  # listed in `-h` and checked
 
 def _err(msg:str)->str: return f"fastai-fp16: error: {' '.join(str(msg).split())}"
 
-def main(argv:list|None=None)->int: # exit status
-    "The `fastai-fp16` console script: `compare`, `study`, `train`, `doctor` or `bench`"
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ('-h','--help'):
-        print("usage: fastai-fp16 {compare,study,train,doctor,bench} [options]   (fastai-fp16 COMMAND -h for its options)"); return 0 if argv else 2
-    cmd = _cmds.get(argv[0])
-    if cmd is None: print(_err(f"unknown command {argv[0]!r}: use compare, study, train, doctor or bench."), file=sys.stderr); return 2
-    p = cli_parser(cmd.__wrapped__, prog=f'fastai-fp16 {argv[0]}')
+def _parser(cmd:str):
+    p = cli_parser(_cmds[cmd].__wrapped__, prog=f'fastai-fp16 {cmd}', choices=_choices.get(cmd))
     def _fail(msg): raise CLIError(msg)
-    p.error = _fail
-    try: cmd.__wrapped__(**vars(p.parse_args(dashed(argv[1:]))))
+    p.error = _fail  # one line, not argparse's usage and exit
+    return p
+
+def _usage()->str:
+    "What `fastai-fp16 --help` prints: the commands, a line each"
+    docs = {n:c.__doc__ for n,c in _cmds.items()} | dict(help="This list, or a command's options: fastai-fp16 help COMMAND")
+    opts = {'-h, --help': 'this list', '--version': 'the versions of fastai_fp16, fastai and torch'}
+    w = max(map(len, [*docs, *opts])) + 4
+    fill = lambda n,d: textwrap.fill(d, 100, initial_indent=f"  {n:<{w-2}}", subsequent_indent=' '*w)
+    return '\n'.join([f"usage: fastai-fp16 {{{','.join(_cmds)},help}} [options]", '',
+                      'Mixed-precision (fp16 and bf16) training for fastai, from the shell.', '',
+                      'commands:', *[fill(*o) for o in docs.items()], '', 'options:', *[fill(*o) for o in opts.items()], '',
+                      "fastai-fp16 COMMAND -h shows a command's options."])
+
+def main(argv:list|None=None)->int: # exit status
+    "The `fastai-fp16` console script: `compare`, `study`, `train`, `doctor`, `bench` or `help`"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ('-h','--help') or argv == ['help']: print(_usage()); return 0 if argv else 2
+    if argv[0] == '--version': print(f"fastai-fp16 {__version__} (fastai {fastai.__version__}, torch {torch.__version__})"); return 0
+    if argv[0] == 'help': argv = [argv[1], '-h'] + argv[2:]  # `help train`: `train -h`
+    if argv[0] not in _cmds:
+        print(_err(f"unknown command {argv[0]!r}: use {', '.join(_cmds)} (fastai-fp16 --help lists them)."), file=sys.stderr); return 2
+    try:
+        p = _parser(argv[0])
+        if '-h' in argv[1:] or '--help' in argv[1:]: p.print_help(); return 0
+        _cmds[argv[0]].__wrapped__(**vars(p.parse_args(dashed(argv[1:]))))
     except CLIError as e: print(_err(e), file=sys.stderr); return 2
     except KeyboardInterrupt: print(_err("interrupted."), file=sys.stderr); return 130
     except Exception as e:

@@ -20,11 +20,15 @@ def _type(anno):
 
 def cli_parser(func, # a function whose params (annotation, default, docments comment) are the options
                prog:str|None=None, # the program name `-h` shows
+               choices:dict|None=None, # {param: the values it takes}: listed in its help and checked when parsing
               )->argparse.ArgumentParser:
     "An `ArgumentParser` with one `--dashed-name` option per param of `func`, alike on fastcore 1 and 2"
     p = argparse.ArgumentParser(prog=prog, description=func.__doc__)
+    choices = {k:list(v) for k,v in (choices or {}).items()}
     for k,v in docments(func, full=True, returns=False, eval_str=True).items():
         doc, d = (v.docment or '').replace('%', '%%'), v.default  # argparse %-formats help
+        cs = choices.pop(k, None)
+        if cs: doc += f"; one of: {', '.join(map(str, cs))}".replace('%', '%%')  # the metavar hides argparse's own list
         if d is inspect.Parameter.empty: raise ValueError(f"{func.__name__}: param {k!r} needs a default to be an option.")
         if v.anno is bool:  # a switch, off unless given: `--no-bench`
             if d is not False: raise ValueError(f"{func.__name__}: bool param {k!r} must default to False (a switch).")
@@ -32,7 +36,9 @@ def cli_parser(func, # a function whose params (annotation, default, docments co
             continue
         t = _type(v.anno)
         mv = getattr(t, '__name__', 'value').replace('_arg', '').upper()  # `--size INT`; `bool_arg`: `--e2e BOOL`
-        p.add_argument(_flag(k), dest=k, type=t, default=d, metavar=mv, help=f"{doc} (default: {d})" if d is not None else doc)
+        p.add_argument(_flag(k), dest=k, type=t, default=d, metavar=mv, choices=cs,
+                       help=f"{doc} (default: {d})" if d is not None else doc)
+    if choices: raise ValueError(f"{func.__name__} has no param {', '.join(choices)} to give choices to.")
     return p
 
 def dashed(argv:list)->list:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_experiments.ipynb #32b52507
 from __future__ import annotations
-import random, time, warnings
+import random, time, warnings, zlib
 from contextlib import contextmanager
 from functools import partial
 import numpy as np, pandas as pd
@@ -27,7 +27,7 @@ import fastai_fp16.learner  # patches Learner.to_half
 # %% auto #0
 __all__ = ['archs', 'RECIPES', 'soft_cap', 'capped_loss', 'small_cnn', 'tf_cnn', 'recipe', 'fp32', 'fp16_pure', 'fp16_bn32',
            'fp16_loss32', 'fp16_static_nomaster', 'fp16_master', 'bf16_master', 'fastai_native', 'nvidia_static128',
-           'nvidia_tf_cnn', 'cudnn_state', 'run_recipe', 'compare', 'plot_losses', 'plot_loss_scale']
+           'nvidia_tf_cnn', 'cudnn_state', 'run_recipe', 'compare', 'recipe_style', 'plot_losses', 'plot_loss_scale']
 
 # %% ../nbs/11_experiments.ipynb #455ebef4
 def soft_cap(x:torch.Tensor, # loss (or any tensor)
@@ -227,24 +227,67 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     return res
 
 # %% ../nbs/11_experiments.ipynb #f1b53fc0
+_tab10 = ('#1f77b4','#ff7f0e','#2ca02c','#d62728','#9467bd','#8c564b','#e377c2','#7f7f7f','#bcbd22','#17becf')
+_markers = 'sD^v<>pXPh*o'
+
+def recipe_style(name:str)->dict:
+    "Colour and marker of recipe `name`, the same in every plot (fp32, the reference: black circles)"
+    if name == 'fp32': return dict(color='black', marker='o')
+    names = [n for n in RECIPES if n != 'fp32']
+    # fixed by the registration order, not matplotlib's colour cycle; a name never registered gets one from its hash
+    i = names.index(name) if name in names else zlib.crc32(name.encode())
+    return dict(color=_tab10[i % len(_tab10)], marker=_markers[i % len(_markers)])
+
+def _curve(ax, k:int, m:int, n:int, name:str, x, y, label:str|None=None, step:bool=False):
+    "Curve `k` of `m` (of up to `n` points) in `name`'s style, its markers shifted from the other curves'"
+    every = max(m, n // 8, 1)  # at least `m` steps apart: no two curves mark the same step
+    return ax.plot(x, y, label=label or name, markevery=(k*every//max(m,1), every), ms=5, lw=1.3, alpha=.9,
+                   drawstyle='steps-post' if step else 'default', **recipe_style(name))
+
+def _axes(ax, two:bool, height:float):
+    import matplotlib.pyplot as plt
+    if ax is not None: return ax
+    return plt.subplots(2, 1, figsize=(7,height), sharex=True, gridspec_kw=dict(height_ratios=(3,2)))[1] if two else plt.subplots(figsize=(7,4))[1]
+
 def plot_losses(res:pd.DataFrame, # `compare`'s result
                 skip_start:int=0, # steps to leave out at the start
-                ax=None, log:bool=False):
-    "Training loss of every recipe of `res`, on one plot"
-    import matplotlib.pyplot as plt
-    if ax is None: _,ax = plt.subplots(figsize=(7,4))
-    for n,ls in res.attrs['losses'].items():
-        ax.plot(range(skip_start, len(ls)), ls[skip_start:], label=n + (' (diverged)' if res.loc[n,'diverged'] else ''))
-    ax.set(xlabel='step', ylabel='train loss (smoothed)', title=f"bs {res.attrs['bs']}, {res.attrs['epochs']} epoch(s)")
-    if log: ax.set_yscale('log')
-    ax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5)); return ax
+                ax=None, # an Axes (the losses only) or two (losses, differences); default: new ones
+                log:bool=False, # the losses on a log scale
+                diff:bool=True, # the difference panel, where fp32 and another recipe ran
+               ):
+    "Training loss of every recipe of `res` and, below, each one's difference to fp32's: the Axes, or the two"
+    losses = res.attrs['losses']
+    ref = np.asarray(losses.get('fp32', []), dtype=float)
+    diff = diff and len(ref) > 0 and any(len(v) for n,v in losses.items() if n != 'fp32') and (ax is None or np.ndim(ax) == 1)
+    ax = _axes(ax, diff, 6.5)
+    lax, dax = (ax[0], ax[1]) if np.ndim(ax) == 1 else (ax, None)
+    n, m = max(map(len, losses.values()), default=0), len(losses)
+    for k,(nm,ls) in enumerate(losses.items()):
+        _curve(lax, k, m, n, nm, range(skip_start, len(ls)), ls[skip_start:], nm + (' (diverged)' if res.loc[nm,'diverged'] else ''))
+    lax.set(xlabel='' if diff else 'step', ylabel='train loss (smoothed)', title=f"bs {res.attrs['bs']}, {res.attrs['epochs']} epoch(s)")
+    if log: lax.set_yscale('log')
+    lax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5))
+    if not diff: return lax
+    dax.axhline(0, color='black', lw=1)  # fp32 itself
+    ds = []
+    for k,(nm,ls) in enumerate(losses.items()):
+        if nm == 'fp32': continue
+        d = np.asarray(ls, dtype=float)[:len(ref)] - ref[:len(ls)]
+        d[~np.isfinite(d)] = np.nan  # a diverged recipe: its losses above say so
+        _curve(dax, k, m, n, nm, range(skip_start, len(d)), d[skip_start:]); ds.append(d[skip_start:])
+    # small differences next to large ones (another optimizer, a diverged run): linear near 0, log beyond
+    a = np.abs(np.concatenate(ds)); a = a[np.isfinite(a) & (a > 0)]
+    if len(a): dax.set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=3)
+    dax.set(xlabel='step', ylabel="loss minus fp32's")
+    return lax, dax
 
-def plot_loss_scale(res:pd.DataFrame, ax=None):
-    "The loss scale over the training steps of every recipe of `res` that scales its loss"
-    import matplotlib.pyplot as plt
-    if ax is None: _,ax = plt.subplots(figsize=(7,4))
-    for n,s in res.attrs['scales'].items():
-        if len(s): ax.step(range(len(s)), s, where='post', label=n)
+def plot_loss_scale(res:pd.DataFrame, # `compare`'s result
+                    ax=None):
+    "The loss scale over the training steps of every recipe of `res` that scales its loss, on a log axis"
+    ax = _axes(ax, False, 4)
+    sc = {n:s for n,s in res.attrs['scales'].items() if len(s)}
+    n = max(map(len, sc.values()), default=0)
+    for k,(nm,s) in enumerate(sc.items()): _curve(ax, k, len(sc), n, nm, range(len(s)), s, step=True)
     ax.set(xlabel='step', ylabel='loss scale', yscale='log', title='Loss scale')
     ax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5))
     return ax
