@@ -26,20 +26,8 @@ from .bench_overhead import _sync
 from .cli_parser import cli_parser, dashed
 
 # %% auto #0
-__all__ = ['cpu_variants', 'cuda_variants', 'Autocast', 'variant_label', 'run_variant', 'e2e_bench', 'machine_info',
-           'markdown_table', 'bench', 'bench_main']
-
-# %% ../nbs/20_bench.ipynb #e08d63fe
-class Autocast(Callback):
-    "Forward pass and loss under `torch.autocast(device_type, dtype)`, predictions back to fp32"
-    order = 10
-    def __init__(self, device_type:str='cpu', dtype:torch.dtype=torch.bfloat16): store_attr(); self._ctx = None
-    def before_batch(self): self._ctx = torch.autocast(self.device_type, self.dtype); self._ctx.__enter__()
-    def after_pred(self): self.learn.pred = to_float(self.pred)
-    def after_loss(self): self._exit()
-    def after_batch(self): self._exit()  # a cancelled batch skips after_loss
-    def _exit(self):
-        if self._ctx is not None: self._ctx.__exit__(None, None, None); self._ctx = None
+__all__ = ['cpu_variants', 'cuda_variants', 'variant_label', 'run_variant', 'e2e_bench', 'machine_info', 'markdown_table',
+           'bench', 'bench_main']
 
 # %% ../nbs/20_bench.ipynb #2856216d
 cpu_variants = ('fp32', 'autocast_bf16', 'autocast_bf16_cl', 'ours_auto', 'ours_bf16', 'ours_bf16_unfused')
@@ -233,12 +221,13 @@ def markdown_table(res:dict)->str:
                 'ours (list), by part: ' + ', '.join(f'{k} {v:.2f} ms' for k,v in o['ours_list_parts'].items()), '']
     if 'batch_overhead' in res:
         b = res['batch_overhead']
-        out += [f"What `to_half('{b['dtype']}', fp32_math=False)` adds to a training step with negligible compute (`stand_in_model`: "
-                f"resnet50's 161 params, {b['device']}, {b['threads'] or 'all'} thread(s), torch's fused AdamW on both sides; medians of "
-                f"{b['batches']} steps, median over {b['sweeps']} alternating sweeps):", '',
-                '| | fp32 | to_half | added |', '|---|---|---|---|',
-                f"| thread CPU ms/step | {b['fp32_ms']:.2f} | {b['half_ms']:.2f} | {b['overhead_ms']:+.2f} |",
-                f"| wall ms/step | {b['fp32_wall_ms']:.2f} | {b['half_wall_ms']:.2f} | {b['overhead_wall_ms']:+.2f} |", '']
+        out += [f"A training step with negligible compute (`stand_in_model`: resnet50's 161 params, {b['device']}, "
+                f"{b['threads'] or 'all'} thread(s), torch's fused AdamW in each; medians of {b['batches']} steps, median over "
+                f"{b['sweeps']} alternating sweeps): plain fp32, torch autocast {b['dtype']}, `to_half('{b['dtype']}', fp32_math=False)`:", '',
+                f"| | fp32 | autocast | to_half | to_half - fp32 | to_half / autocast |", '|---|---|---|---|---|---|',
+                f"| thread CPU ms/step | {b['fp32_ms']:.2f} | {b['autocast_ms']:.2f} | {b['half_ms']:.2f} | {b['overhead_ms']:+.2f} | {b['vs_autocast']:.2f} |",
+                f"| wall ms/step | {b['fp32_wall_ms']:.2f} | {b['autocast_wall_ms']:.2f} | {b['half_wall_ms']:.2f} | {b['overhead_wall_ms']:+.2f} | |", '',
+                f"Of the to_half step, {b['callbacks_ms']:.2f} ms (thread CPU) is in its callbacks.", '']
     for e in e2e: out += _e2e_table(e)
     return '\n'.join(out)
 

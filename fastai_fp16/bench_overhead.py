@@ -6,19 +6,22 @@
 from __future__ import annotations
 import gc, statistics, time
 import torch, torch.nn as nn
+from fastcore.basics import store_attr
 from functools import partial
 from fastai.callback.core import Callback, CancelValidException
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 from fastai.optimizer import SGD
+from fastai.torch_core import to_float
 import fastai.callback.fp16 as fa16
 from .core import *
+from .core import half_dtype
 from .callbacks import ModelToHalf, BatchNormToFloat, MixedPrecision
 
 # %% auto #0
 __all__ = ['half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench', 'SynthDL', 'SkipValid', 'StepTimer',
-           'stand_in_model', 'batch_overhead']
+           'CallTimer', 'Autocast', 'stand_in_model', 'batch_overhead']
 
 # %% ../nbs/19_bench_overhead.ipynb #3562e00c
 def half_params(arch:str='resnet50', # a torchvision model name
@@ -109,13 +112,41 @@ class SkipValid(Callback):
 class StepTimer(Callback):
     "Wall time (`times`), process CPU time (`cpu_times`) and this thread's CPU time (`thread_times`) of each training step, in ms"
     order = -100  # first at `before_batch`: the input casts of other callbacks are part of the step
+    def __init__(self, probe=None): self.probe = probe  # a `CallTimer` whose time is stamped with each step (`probe_times`)
     def before_train(self): self._ts = []
     def _stamp(self):
-        if self.training: _sync(); self._ts.append((time.perf_counter(), time.process_time(), time.thread_time()))
+        if self.training:
+            _sync(); self._ts.append((time.perf_counter(), time.process_time(), time.thread_time(), self.probe.s if self.probe else 0.))
     def before_batch(self): self._stamp()
     def after_train(self):
         self._stamp()
-        self.times, self.cpu_times, self.thread_times = ([(b[i] - a[i]) * 1e3 for a,b in zip(self._ts, self._ts[1:])] for i in (0,1,2))
+        self.times, self.cpu_times, self.thread_times, self.probe_times = (
+            [(b[i] - a[i]) * 1e3 for a,b in zip(self._ts, self._ts[1:])] for i in (0,1,2,3))
+
+class CallTimer:
+    "This thread's CPU time (`s`, seconds) spent in the methods `names` of `objs` (wrapped on the instances)"
+    def __init__(self, objs:list, names:tuple):
+        self.s = 0.
+        for o in objs:
+            for n in names:
+                if callable(getattr(o, n, None)): setattr(o, n, self._timed(getattr(o, n)))
+    def _timed(self, f):
+        def g(*args, **kwargs):
+            t = time.thread_time()
+            try: return f(*args, **kwargs)
+            finally: self.s += time.thread_time() - t
+        return g
+
+class Autocast(Callback):
+    "Forward pass and loss under `torch.autocast(device_type, dtype)`, predictions back to fp32"
+    order = 10
+    def __init__(self, device_type:str='cpu', dtype:torch.dtype=torch.bfloat16): store_attr(); self._ctx = None
+    def before_batch(self): self._ctx = torch.autocast(self.device_type, self.dtype); self._ctx.__enter__()
+    def after_pred(self): self.learn.pred = to_float(self.pred)
+    def after_loss(self): self._exit()
+    def after_batch(self): self._exit()  # a cancelled batch skips after_loss
+    def _exit(self):
+        if self._ctx is not None: self._ctx.__exit__(None, None, None); self._ctx = None
 
 # %% ../nbs/19_bench_overhead.ipynb #de31cb90
 def stand_in_model(blocks:int=53, # (1x1 conv without bias + BatchNorm) blocks: 53 and the head make resnet50's 161 params
@@ -125,29 +156,37 @@ def stand_in_model(blocks:int=53, # (1x1 conv without bias + BatchNorm) blocks: 
     layers = [m for _ in range(blocks) for m in (nn.Conv2d(ch, ch, 1, bias=False), nn.BatchNorm2d(ch))]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(ch, n_out))
 
-def _step_ms(half:str|None, batches:int, warmup:int, device='cpu', **kw)->tuple:
-    "(thread CPU ms, wall ms): medians over the steps of `stand_in_model` in plain fp32 or `to_half(half, fp32_math=False)`"
+_events = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step',
+           'after_batch', 'after_cancel_batch', '_backward_starts', '_backward_done')  # what ours run in a training batch
+
+def _step_ms(kind:str, dtype:str, batches:int, warmup:int, device='cpu', **kw)->tuple:
+    "(thread CPU ms, wall ms, ms in our callbacks): medians over the steps of `stand_in_model` in `kind`: 'fp32', 'autocast' (torch's, `dtype`) or 'ours' (`to_half(dtype, fp32_math=False)`)"
     x, y = torch.randn(2, 4, 1, 1, device=device), torch.randn(2, 10, device=device)
     dls = DataLoaders(SynthDL([(x, y)], warmup + batches), SynthDL([], 0), device=device)
-    ours = [ModelToHalf(half, fp32_math=False), BatchNormToFloat(), MixedPrecision(**kw)] if half else []  # = `to_half`'s
-    learn = Learner(dls, stand_in_model(), loss_func=nn.MSELoss(), cbs=[SkipValid(), st := StepTimer(), *ours],
+    cbs = ([ModelToHalf(dtype, fp32_math=False), BatchNormToFloat(), MixedPrecision(**kw)] if kind == 'ours' else  # = `to_half`'s
+           [Autocast(torch.device(device).type, half_dtype(dtype))] if kind == 'autocast' else [])
+    probe = CallTimer(cbs, _events) if kind == 'ours' else None
+    learn = Learner(dls, stand_in_model(), loss_func=nn.MSELoss(), cbs=[SkipValid(), st := StepTimer(probe), *cbs],
                     opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True)))
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
-    return statistics.median(st.thread_times[warmup:]), statistics.median(st.times[warmup:])
+    return tuple(statistics.median(t[warmup:]) for t in (st.thread_times, st.times, st.probe_times))
 
-def batch_overhead(dtype:str='bf16', # the half dtype: `to_half(dtype, fp32_math=False)`
+def batch_overhead(dtype:str='bf16', # the half dtype: `to_half(dtype, fp32_math=False)`, and autocast's
                    sweeps:int=5, # fits of each, alternating; the figures are medians over them
                    batches:int=50, # timed steps per fit
                    warmup:int=10, # untimed steps first
                    threads:int|None=1, # torch CPU threads for the measurement (then restored)
                    device='cpu', # where the model trains (on CUDA the thread's CPU time is what the GPU waits for, launch-bound)
                   )->dict:
-    "What `to_half` adds to a training step of `stand_in_model` over plain fp32: thread CPU ms and wall ms (medians)"
-    old = torch.get_num_threads()
+    "A training step of `stand_in_model` in plain fp32, torch autocast and `to_half`: thread CPU ms and wall ms (medians), and our callbacks' own time"
+    old, kinds = torch.get_num_threads(), ('fp32', 'autocast', 'ours')
     if threads: torch.set_num_threads(threads)
-    try: runs = [(_step_ms(None, batches, warmup, device), _step_ms(dtype, batches, warmup, device)) for _ in range(sweeps)]
+    try: runs = [{k: _step_ms(k, dtype, batches, warmup, device) for k in kinds} for _ in range(sweeps)]
     finally: torch.set_num_threads(old)
-    med = lambda f: statistics.median(f(a, b) for a,b in runs)
-    return dict(dtype=dtype, device=str(device), fp32_ms=med(lambda a,b: a[0]), half_ms=med(lambda a,b: b[0]),
-                overhead_ms=med(lambda a,b: b[0] - a[0]), fp32_wall_ms=med(lambda a,b: a[1]), half_wall_ms=med(lambda a,b: b[1]),
-                overhead_wall_ms=med(lambda a,b: b[1] - a[1]), sweeps=sweeps, batches=batches, threads=threads, runs=runs)
+    med = lambda k, i: statistics.median(r[k][i] for r in runs)
+    return dict(dtype=dtype, device=str(device), fp32_ms=med('fp32', 0), autocast_ms=med('autocast', 0), half_ms=med('ours', 0),
+                callbacks_ms=med('ours', 2), overhead_ms=statistics.median(r['ours'][0] - r['fp32'][0] for r in runs),
+                vs_autocast=statistics.median(r['ours'][0] / r['autocast'][0] for r in runs),  # < 1: ours cheaper
+                fp32_wall_ms=med('fp32', 1), autocast_wall_ms=med('autocast', 1), half_wall_ms=med('ours', 1),
+                overhead_wall_ms=statistics.median(r['ours'][1] - r['fp32'][1] for r in runs),
+                sweeps=sweeps, batches=batches, threads=threads, runs=runs)

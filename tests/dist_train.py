@@ -17,8 +17,14 @@ def _broadcast_cpu(self, t, rank):
     return t.tolist()
 DistributedDL._broadcast = _broadcast_cpu
 
+_all_reduce, reduced = torch.distributed.all_reduce, set()
+def _recorded(t, *args, **kwargs):
+    "The dtypes all-reduced from Python: DDP's comm hook's buckets, our overflow flag"
+    reduced.add(t.dtype); return _all_reduce(t, *args, **kwargs)
+torch.distributed.all_reduce = _recorded
+
 class NaNOnRank1(Callback):
-    order = 11  # after MixedPrecision cast the batch
+    order = 11  # the batch as the DataLoader gave it (the model casts it in flight)
     def before_batch(self):
         if self.training and self.iter == 2 and rank_distrib() == 1: self.learn.xb = (self.xb[0] * float('nan'),)
 
@@ -34,4 +40,4 @@ torch.save({'params': [p.detach() for p in learn.model.parameters()], 'opt': [le
             'scale': mp and mp.loss_scale, 'skipped': mp and mp.skipped, 'scales': mp and list(mp.scales),
             'dtypes': {p.dtype for p in learn.model.parameters()}, 'overflows': pm.overflows,
             'records': pm.records, 'metric_names': list(learn.recorder.metric_names),
-            'values': [list(v) for v in learn.recorder.values]}, out/f'rank{rank_distrib()}.pt')
+            'values': [list(v) for v in learn.recorder.values], 'reduced': reduced}, out/f'rank{rank_distrib()}.pt')

@@ -212,3 +212,17 @@ def test_gradient_accumulation_sums_in_fp32_through_autograd(dtype):
     w0 = params(Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()))
     ref, learn = fit(tiny_model(), None, [GradientAccumulation(32)]), fit(tiny_model(), dtype, [GradientAccumulation(32)])
     moved_alike(params(learn), params(ref), w0, 0.05)
+
+def test_ddp_compresses_unless_the_user_hooked():
+    "DDP built on the fp32 params all-reduces its buckets in half (torch's compress hooks); a comm hook of the user's own wins"
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from fastai_fp16.callbacks import _compress
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def own(state, bucket): return torch.futures.Future()
+        a, b, c = DDP(nn.Linear(2, 2)), DDP(nn.Linear(2, 2)), DDP(nn.Linear(2, 2))
+        c.register_comm_hook(None, own)
+        _compress(a, torch.bfloat16); _compress(b, torch.float16); _compress(c, torch.float16)
+        assert [[h.__name__ for h, _ in m._comm_hooks] for m in (a, b, c)] == [['bf16_compress_hook'], ['fp16_compress_hook'], ['own']]
+    finally: dist.destroy_process_group()

@@ -17,6 +17,8 @@ def test_ranks_seeded_apart_end_identical(dtype, port):
     assert a['skipped'] == b['skipped'] == 2   # batch 2 of each epoch: rank 0 saw no NaN, yet skipped with rank 1
     assert a['scale'] == b['scale'] and a['scales'] == b['scales']
     assert a['dtypes'] == b['dtypes'] == {torch.float32}
+    half = torch.float16 if dtype == 'fp16' else torch.bfloat16
+    assert a['reduced'] == b['reduced'] == {half, torch.float32}  # the grad buckets travel half (the fp32: our overflow flag)
     for x, y in zip(a['params'], b['params']): assert torch.equal(x, y)  # rank 0's masters on both ranks, bit for bit
     for x, y in zip(a['opt'], b['opt']): assert torch.equal(x, y)
     # the monitor (fp16: on the Learner, before DDP wraps the model; bf16: given to `fit`, after) names the layers alike
