@@ -47,7 +47,7 @@ def check_fastai_precision(learn, # the Learner to check
     raise ValueError(f"This Learner has {what} and fastai_fp16's {', '.join(sorted({type(cb).__name__ for cb in ours}))} (from "
                      "`to_half()`): two precision systems would both cast the model and scale the loss. Keep one: remove "
                      f"fastai's with {fix}, or ours with `learn.to_float()`. (The names clash: fastai_fp16's callbacks are "
-                     "`fastai_fp16.callbacks.ModelToHalf`/`MixedPrecision`; `learn.to_half()` adds them.)")
+                     "`fastai_fp16.half_model.ModelToHalf`/`fastai_fp16.mixed_precision.MixedPrecision`; `learn.to_half()` adds them.)")
 
 # %% ../nbs/08_conflicts.ipynb #a8c0e008
 def _refusing(name:str, f):

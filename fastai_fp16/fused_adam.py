@@ -109,3 +109,21 @@ def unuse_fused_adam(opt:Optimizer, # an optimizer given to `use_fused_adam`
                     ):
     "Give `opt` (and the `Adam` inside it) back its own `step`"
     while opt is not None: opt.__dict__.pop('step', None); opt = _inner(opt)
+
+def _fused_step_ok(opt, # the fit's optimizer
+                  dev:torch.device, # the model's device
+                  asked:bool|None, # `MixedPrecision(fused_step=...)`: True (raise if it cannot), None (where it can), False
+                  master_weights:bool=True, # whether the optimizer steps fp32 params
+                 )->bool:
+    "Whether a fit steps fastai's `Adam` in torch's fused kernel: asked for (True: raises, saying why, if it cannot) or possible (None)"
+    if asked is False: return False
+    tgt = fused_adam_target(opt)
+    other = tgt is not None and {p.dtype for pg in tgt.param_lists for p in pg if p.requires_grad} - {torch.float32}
+    why = ("fp32 params (`master_weights=True`)" if not master_weights else
+           "fastai's `Adam` (the Learner's default `opt_func`), as it comes or inside a wrapper such as `Lookahead`"
+           if tgt is None else f"fp32 params only, and this model trains {sorted(map(str, other))} ones too" if other else
+           f"torch's fused Adam kernel on {dev.type}, which this torch lacks" if not fused_adam_supported(dev) else None)
+    if why and asked:
+        raise ValueError(f"fused_step=True needs {why}. Leave fused_step=None to step fused only where it can, or "
+                         "pass False; a torch optimizer through `OptimWrapper` takes its own `fused=True`.")
+    return why is None

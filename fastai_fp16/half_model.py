@@ -14,7 +14,7 @@ from .core import *
 from .hardware import detect, _fp32_math_arg
 from .layout import plan_fit, layout_asked
 from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .guard import kept_fp32, run_fp32
+from .buffer_guard import kept_fp32, run_fp32
 from .conflicts import check_fastai_precision
 from .fit_guard import _role, _in_fit
 

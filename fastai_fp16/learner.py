@@ -15,7 +15,7 @@ from fastai.callback.channelslast import ChannelsLast
 from .layout import AutoChannelsLast
 from .core import half_dtype
 from .half_model import *
-from .callbacks import *
+from .mixed_precision import *
 from .conflicts import check_fastai_precision
 
 # %% auto #0

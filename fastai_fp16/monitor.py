@@ -9,7 +9,7 @@ import torch, torch.nn as nn
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from fastai.learner import ValueMetric
-from .callbacks import ModelToHalf, MixedPrecision
+from .mixed_precision import ModelToHalf, MixedPrecision
 from .fit_guard import _find_cb
 
 # %% auto #0

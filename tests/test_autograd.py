@@ -217,7 +217,7 @@ def test_ddp_compresses_unless_the_user_hooked():
     "DDP built on the fp32 params all-reduces its buckets in half (torch's compress hooks); a comm hook of the user's own wins"
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from fastai_fp16.callbacks import _compress
+    from fastai_fp16.window import _compress
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
     try:
         def own(state, bucket): return torch.futures.Future()

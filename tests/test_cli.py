@@ -1,7 +1,7 @@
 "The `fastai-fp16` console script from a shell: its command list, and its default output folders left out of git"
 import inspect, shutil, subprocess, sys, pytest
 from pathlib import Path
-from fastai_fp16.cli import _cmds
+from fastai_fp16.tools.cli import _cmds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ def test_default_outputs_ignored():
         assert r.returncode == 0, f"{n}'s default output folder {d}/ is not in .gitignore"
 
 def test_help_from_a_shell():
-    r = subprocess.run([sys.executable, '-c', 'import sys; from fastai_fp16.cli import main; sys.exit(main())', '--help'],
+    r = subprocess.run([sys.executable, '-c', 'import sys; from fastai_fp16.tools.cli import main; sys.exit(main())', '--help'],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

@@ -349,7 +349,7 @@ def test_fastai_mixed_precision_with_our_model_to_half_names_both():
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ModelToHalf(torch.float16), FastaiMixedPrecision()])
     with pytest.raises(ValueError) as e: learn.fit(1)
     assert "fastai's own mixed precision (MixedPrecision from fastai.callback.fp16" in str(e.value)
-    assert 'fastai_fp16.callbacks.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
+    assert 'fastai_fp16.half_model.ModelToHalf' in str(e.value) and 'there is no' not in str(e.value)
     assert fp32_everywhere(learn)
 
 class _NormAfterClip(Callback):

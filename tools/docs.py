@@ -1,4 +1,5 @@
 """Build the documentation site in `_docs/` from `nbs/*.ipynb`, offline: `python tools/docs.py` (after `pip install -e ".[docs]"`).
+The notebooks of `nbs/study/` and `nbs/tools/` are pages of those folders, a group each in the navigation (`groups`).
 
 Quarto (what `nbdev_docs` renders with) cannot be installed here, so each notebook goes through nbdev's own
 processing, run from Python (tools/docs_nb.py: every cell executed, outputs cached), is written to `_proc/` in
@@ -23,6 +24,17 @@ def plan()->dict:
         res[p] = (proc/h.with_suffix('.ipynb'), proc/'.cache'/h.with_suffix('.json'), h.as_posix())
     return res
 
+_groups = {'': 'The library', 'study': 'The study', 'tools': 'The tools'}  # nbs/ and its folders, as the package's
+
+def groups(htmls:list)->list:
+    "The site's navigation: (caption, pages) for the library (`nbs/`), the study (`nbs/study/`) and the tools (`nbs/tools/`)"
+    res = {c: [] for c in _groups.values()}
+    for h in htmls:
+        if h == 'index.html': continue
+        d = h.rpartition('/')[0]
+        res.setdefault(_groups.get(d, d), []).append(h[:-len('.html')])
+    return [(c, docs) for c, docs in res.items() if docs]
+
 def write_page(nb_path:Path):
     "Process one notebook and write its page to `_proc/` (run as its own process: notebooks share no state)"
     sys.path.insert(0, str(tools))
@@ -31,8 +43,8 @@ def write_page(nb_path:Path):
     cfg, pages = get_config(), plan()
     out, cache, html = pages[nb_path]
     site = cfg.doc_host.rstrip('/') + '/' + cfg.doc_baseurl.strip('/')
-    links = Links(site, {p.name: h for p,(_,_,h) in pages.items()})
-    toctree = [h[:-len('.html')] for _,_,h in pages.values() if h != 'index.html'] if html == 'index.html' else None
+    links = Links(site, {p.name: h for p,(_,_,h) in pages.items()}, html)
+    toctree = groups([h for _,_,h in pages.values()]) if html == 'index.html' else None
     txt = json.dumps(to_myst(process_nb(nb_path, cache), links, toctree), indent=1, ensure_ascii=False) + '\n'
     out.parent.mkdir(parents=True, exist_ok=True)
     if not out.exists() or out.read_text() != txt: out.write_text(txt)  # an unchanged page keeps its mtime: Sphinx skips it
@@ -44,7 +56,7 @@ def _fresh(p:Path, cache:Path, index:bool)->bool:
     "Whether `p`'s page was written after everything it comes from changed: then it need not be processed at all"
     stamp, cfg = cache.with_suffix('.done'), get_config()
     if not (stamp.exists() and cache.exists()): return False
-    srcs = [p, cfg.config_file, cfg.lib_path/'_modidx.py'] + [tools/f for f in _inputs] + ([p.parent] if index else [])
+    srcs = [p, cfg.config_file, cfg.lib_path/'_modidx.py'] + [tools/f for f in _inputs] + ([p.parent, *(d for d in p.parent.iterdir() if d.is_dir())] if index else [])  # the index lists every page
     if stamp.stat().st_mtime < max(f.stat().st_mtime for f in srcs if f.exists()): return False
     try: deps = json.loads(cache.read_text())['deps']  # the package modules its outputs came from
     except (OSError, ValueError, KeyError): return False

@@ -14,7 +14,7 @@ from nbdev.doclinks import nbglob, _nbpath2html
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docs
 
-SHOTS = {'index.html': ('index.png', 2200), 'callbacks.html': ('callbacks.png', 2200),
+SHOTS = {'index.html': ('index.png', 2200), 'mixed_precision.html': ('mixed_precision.png', 2200),
          'monitor.html': ('monitor.png', 7000)}  # page: (screenshot, window height); monitor's whole page has a plot
 
 class Page(HTMLParser):

@@ -19,11 +19,15 @@ def _callouts(md:str)->str:
 
 class Links:
     "Site links as relative ones: nbdev's links to the published site, and links to `NN_name.ipynb` notebooks"
-    def __init__(self, site:str, pages:dict): self.site, self.pages = site.rstrip('/') + '/', pages  # pages: nb name -> html
+    def __init__(self, site:str, pages:dict, here:str='index.html'):  # pages: nb name -> html; here: this page's html
+        self.site, self.pages = site.rstrip('/') + '/', pages
+        self.up = '../' * here.count('/')  # from a page in a folder (`study/claims.html`) to the site's root
+    def _nb(self, m)->str:
+        h = self.pages.get(m.group(1).split('/')[-1])
+        return f']({m.group(1) if h is None else self.up + h}{m.group(2) or ""})'
     def __call__(self, md:str)->str:
-        md = md.replace(f']({self.site}', '](')
-        return re.sub(r'\]\((?![a-z]+:)([^)\s#]+\.ipynb)(#[^)\s]*)?\)',
-                      lambda m: f']({self.pages.get(m.group(1).split("/")[-1], m.group(1))}{m.group(2) or ""})', md)
+        md = md.replace(f']({self.site}', f']({self.up}')
+        return re.sub(r'\]\((?![a-z]+:)([^)\s#]+\.ipynb)(#[^)\s]*)?\)', self._nb, md)
 
 def show_doc_md(md:str)->str:
     "show_doc's quarto markdown in MyST: its rule and right-floated source link as HTML, an anchor nbdev's links find"
@@ -42,7 +46,7 @@ def _src(c): return c.source if isinstance(c.source, str) else ''.join(c.source)
 def _md(text:str, i:int)->dict: return dict(cell_type='markdown', id=f'md{i}', metadata={}, source=text)
 
 def to_myst(nb, links:Links, toctree:list|None=None)->dict:
-    "nbformat dict of `nb` (processed by `docs_nb.process_nb`) for MyST-NB; `toctree`: the pages an index lists"
+    "nbformat dict of `nb` (processed by `docs_nb.process_nb`) for MyST-NB; `toctree`: the pages an index lists, as (caption, pages) groups"
     fm, cells = getattr(nb, 'frontmatter_', {}), []
     for i,c in enumerate(nb.cells):
         src = _src(c)
@@ -65,7 +69,8 @@ def to_myst(nb, links:Links, toctree:list|None=None)->dict:
             cells.append(_md(show_doc_md(sd[0]), i)); continue
         cells.append(dict(cell_type='code', id=c.get('id') or f'code{i}', metadata={'tags': tags} if tags else {},
                           execution_count=None, outputs=outs, source='\n'.join(lines)))
-    if toctree: cells.append(_md('```{toctree}\n:hidden:\n:maxdepth: 1\n\n' + '\n'.join(toctree) + '\n```', len(nb.cells)))
+    for j, (caption, docs) in enumerate(toctree or []):  # the site's navigation, a group each
+        cells.append(_md(f'```{{toctree}}\n:hidden:\n:maxdepth: 1\n:caption: {caption}\n\n' + '\n'.join(docs) + '\n```', len(nb.cells) + j))
     return dict(nbformat=4, nbformat_minor=5, cells=cells,
                 metadata=dict(kernelspec=dict(name='python3', display_name='Python 3', language='python'),
                               language_info=dict(name='python', pygments_lexer='ipython3')))

@@ -35,7 +35,7 @@ run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this s
   : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 12 --warmup 3 --rounds 3}" "${COMPARE:=}"
   mkdir -p "$OUT"; : > "$OUT/log.txt"
   export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
-  FF=(python3 -c 'import sys; from fastai_fp16.cli import main; sys.exit(main(sys.argv[1:]))')
+  FF=(python3 -c 'import sys; from fastai_fp16.tools.cli import main; sys.exit(main(sys.argv[1:]))')
   rc=0 deadline=$((SECONDS + TOTAL)) times=""
   stage() {  # stage NAME LIMIT_S FILE CMD...: CMD with its output in FILE, ended at LIMIT_S (x SLOW) or at the run's deadline
     local name=$1 lim=$(($2 * SLOW)) file=$3 t0=$SECONDS left=$((deadline - SECONDS)); shift 3
