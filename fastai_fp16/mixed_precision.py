@@ -222,7 +222,7 @@ class MixedPrecision(Callback):
         if self.training: self._land()  # a batch cancelled before its backward, or without one
         elif r.yb is not None: self.learn.yb, r.yb = r.yb, None
     def _backward_starts(self):
-        "fastai's backward starts (`Learner._backward`, below): the forward's casts back in the model for its recomputations"
+        "fastai's backward starts (`Learner._backward`, as `window` wraps it): the forward's casts back in the model for its recomputations"
         r = self._run
         if r is not None and not r.off and self.training: r.mth.reopen()
     def _backward_done(self):
