@@ -24,3 +24,13 @@ def test_help_from_a_shell():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     for n in [*_cmds, 'help', '--version']: assert any(l.startswith(f'  {n} ') for l in lines), r.stdout
+
+def test_console_script_entry_point():
+    "settings.ini's `console_scripts` (what `pip install` writes as `fastai-fp16`) names the CLI's `main`, where it lives now"
+    import configparser, importlib
+    from fastai_fp16.tools.cli import main
+    cfg = configparser.ConfigParser(); cfg.read(ROOT/'settings.ini')
+    name, _, target = cfg.get('DEFAULT', 'console_scripts', raw=True).partition('=')
+    mod, _, fn = target.strip().partition(':')
+    assert name.strip() == 'fastai-fp16' and getattr(importlib.import_module(mod), fn) is main
+    assert importlib.import_module('fastai_fp16.cli').main is main  # what an install made before the move names
