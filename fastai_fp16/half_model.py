@@ -115,7 +115,8 @@ class _Casts:
         self.up, self.kept, self.born, model = True, False, [], self.model
         self.undo.append(model.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove)  # the batch, as the model gets it
         if self.f32 is None:
-            for (d,n,_),c in zip(self.pr, self.casts): d[n] = c
+            for (d,n,p),c in zip(self.pr, self.casts):
+                if refresh or d.get(n) is p: d[n] = c  # (not over a tensor the forward registered there instead)
             if self.br and refresh:
                 with torch.no_grad():
                     hbs = [t[3] for t in self.br]
