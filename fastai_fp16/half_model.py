@@ -113,14 +113,15 @@ class _Casts:
 
     def _put(self, refresh:bool):
         self.up, self.kept, self.born, model = True, False, [], self.model
+        self.undo.append(model.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove)  # the batch, as the model gets it
         if self.f32 is None:
-            for (d,n,_),c in zip(self.pr, self.casts): d[n] = c
+            for (d,n,p),c in zip(self.pr, self.casts):
+                if refresh or d.get(n) is p: d[n] = c  # (not over a tensor the forward registered there instead)
             if self.br and refresh:
                 with torch.no_grad():
                     hbs = [t[3] for t in self.br]
                     torch._foreach_copy_(hbs, [t[2] for t in self.br]); torch._foreach_copy_([t[4] for t in self.br], hbs)
                 for d,n,_,hb,_ in self.br: d[n] = hb
-        self.undo.append(model.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove)  # the batch, as the model gets it
         if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
         if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt)]
         if self.rnns: self.undo += [m.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove for m in self.rnns]

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_mixed_precision.ipynb #15c74dcf
 from __future__ import annotations
-import math, warnings
+import math, operator, warnings
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from .window import _gan, _cast_io, _compress  # and fastai's backward in the wi
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/02_mixed_precision.ipynb #4e07e4b9
+_grad = operator.attrgetter('grad')
+
 _retired = dict(
     flat_master="flat_master=True was retired: the optimizer steps the model's own fp32 params. Leave it out (the default, False).",
     keep_master_grads="keep_master_grads was retired: the backward accumulates into the params' own fp32 grads, as autograd "
@@ -33,7 +35,7 @@ _retired = dict(
 
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said = False, None, None, True, None, (), None, None, None, False
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps = False, None, None, True, None, (), None, None, None, False, None, ()
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks = dt, mth, dt == torch.float32, []
 
 class MixedPrecision(Callback):
@@ -250,9 +252,9 @@ class MixedPrecision(Callback):
         if not getattr(r, 'ready', False): return
         r.stepped = False
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
-        fi, seen = r.found_inf, set()
+        fi = r.found_inf
         fi.zero_()
-        gs = [p.grad for pg in r.opt.param_lists for p in pg if p.grad is not None and id(p) not in seen and not seen.add(id(p))]
+        gs = [g for g in map(_grad, self._opt_params()) if g is not None]
         unscale_grads_(gs, r.inv_scale, fi[:1], self.loss_scale)
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -270,6 +272,13 @@ class MixedPrecision(Callback):
         self.scaler.update(found_inf=False)
         self._refresh_inv_scale(old)
         r.stepped = True
+
+    def _opt_params(self)->list:
+        "Each param the optimizer holds, once, in all its groups; looked up again when the groups change"
+        r, pls = self._run, self._run.opt.param_lists
+        key = [(id(pg), len(pg)) for pg in pls]
+        if key != r.pkey: r.pkey, r.ps = key, list({id(p): p for pg in pls for p in pg}.values())
+        return r.ps
 
     def _count_skip(self, bad_loss:bool):
         "Count a skipped step by its cause; a non-finite loss is said once a fit (the loss scale's overflows are its search)"

@@ -142,7 +142,7 @@ def test_one_host_sync_per_step(dtype, acc):
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 def test_torch_compile_compiles_no_more_than_fp32(dtype):
-    "A `torch.compile`d model: the half copies in flight are the same tensors each batch, so dynamo compiles as often as in fp32"
+    "A `torch.compile`d model: the casts in flight are new tensors each batch, inputs to the graph, so dynamo compiles as often as in fp32"
     from torch._dynamo.utils import counters
     graphs = []
     for d in (None, dtype):
