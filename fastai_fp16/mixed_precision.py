@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_mixed_precision.ipynb #15c74dcf
 from __future__ import annotations
-import math, operator, warnings
+import math, warnings
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
+from .scaler import _scaler_for
 from .buffer_guard import BufferGuard
 from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
@@ -26,8 +27,6 @@ from .window import _gan, _cast_io, _compress  # and fastai's backward in the wi
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/02_mixed_precision.ipynb #4e07e4b9
-_grad = operator.attrgetter('grad')
-
 _retired = dict(
     flat_master="flat_master=True was retired: the optimizer steps the model's own fp32 params. Leave it out (the default, False).",
     keep_master_grads="keep_master_grads was retired: the backward accumulates into the params' own fp32 grads, as autograd "
@@ -78,13 +77,7 @@ class MixedPrecision(Callback):
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
         self.scales = L()
 
-    def _make_scaler(self, dtype)->LossScaler:
-        "A `LossScaler` with the settings given, and `dtype`'s defaults for those left to None"
-        kw, bf = dict(self._scaler_kw), dtype != torch.float16  # bf16 has fp32's range: no scaling needed
-        if kw['init_scale'] is None: kw['init_scale'] = 1. if bf else 2.**16
-        if kw['dynamic'] is None: kw['dynamic'] = not bf
-        return LossScaler(**kw)
-
+    def _make_scaler(self, dtype)->LossScaler: return _scaler_for(dtype, **self._scaler_kw)  # `dtype`'s defaults for what is None
     def _for_dtype(self, d:torch.dtype):
         "The scaler of a fit in `d`: the one held if its state is `d`'s (a resumed run), else a fresh one for `d`"
         if d == self._scaler_dtype: return
@@ -254,7 +247,7 @@ class MixedPrecision(Callback):
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
         fi = r.found_inf
         fi.zero_()
-        gs = [g for g in map(_grad, self._opt_params()) if g is not None]
+        gs = [p.grad for p in self._opt_params() if p.grad is not None]
         unscale_grads_(gs, r.inv_scale, fi[:1], self.loss_scale)
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -5,6 +5,7 @@
 # %% ../nbs/01_scaler.ipynb #4a45fa6e
 from __future__ import annotations
 import math, numbers
+import torch
 
 # %% auto #0
 __all__ = ['LossScaleError', 'LossScaler']
@@ -123,3 +124,11 @@ class LossScaler:
     def __repr__(self):
         kind = 'dynamic' if self.dynamic else 'static'
         return f"LossScaler({kind}, scale={self.scale:g}, growth {self.growth_tracker}/{self.growth_interval})"
+
+# %% ../nbs/01_scaler.ipynb #5c0a1e02
+def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
+    "A `LossScaler` with the settings `kw`, and `dtype`'s defaults for `init_scale` and `dynamic` left to None"
+    bf = dtype != torch.float16  # bf16 has fp32's range: no scaling needed
+    if kw.get('init_scale') is None: kw['init_scale'] = 1. if bf else 2.**16
+    if kw.get('dynamic') is None: kw['dynamic'] = not bf
+    return LossScaler(**kw)
