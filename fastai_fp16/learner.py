@@ -35,7 +35,7 @@ def to_half(self:Learner,
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
-    "Train in mixed precision ('auto': what is fast here): fp32 params at rest, half copies in flight, fp32 BatchNorm, loss scaling"
+    "Train in mixed precision ('auto': what is fast here): fp32 params at rest, cast to half in flight, fp32 BatchNorm, loss scaling"
     if any(isinstance(cb, _fp16_cbs) for cb in self.cbs):
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
