@@ -8,6 +8,7 @@ from itertools import chain
 from operator import is_not
 import torch, torch.nn as nn
 from .core import cast_floats
+from .op_policy import autocast_off_hooks
 
 # %% auto #0
 __all__ = ['BufferGuard', 'kept_fp32', 'run_fp32']
@@ -93,8 +94,10 @@ def kept_fp32(model:nn.Module, # the model
 
 def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
              dtype:torch.dtype, # the model's dtype
+             device_type:str|None=None, # with autocast on for this device type in flight: off inside them, or it would lower them again
             )->list: # hook handles: `.remove()` each after the fit
     "Forward hooks that run `modules` in fp32: their floating inputs cast to fp32, their floating outputs back to `dtype`"
     pre = lambda m, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32))
     post = lambda m, args, out: cast_floats(out, dtype)
-    return [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+    off = [h for m in modules for h in autocast_off_hooks(m, device_type)] if device_type else []
+    return off + [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]

@@ -190,7 +190,7 @@ def _unscale_bf16_(grads:list, inv_scale:Tensor, found_inf:Tensor, scale:float|N
     torch.maximum(found_inf, bad.to(found_inf.dtype), out=found_inf)
     if scale != 1: torch._foreach_mul_(grads, inv_scale.reshape(()))  # a scale of 1 needs no multiply
 
-def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtypes, one device; sparse ones too)
+def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtypes, one device; sparse and complex ones too)
                    inv_scale:Tensor, # 1-element fp32 tensor holding 1/scale
                    found_inf:Tensor, # 1-element fp32 tensor set to 1 if any grad is inf or NaN
                    scale:float|None=None, # the scale, if known on the host: 1 skips the multiply where it can
@@ -202,6 +202,7 @@ def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtype
     by_dtype = {}
     for g in grads:
         if g.is_sparse: g = g._values()  # its stored values, in place (as torch's GradScaler does)
+        if g.is_complex(): g = torch.view_as_real(g)  # a complex param's grad (spectral weights): its real and imaginary parts
         by_dtype.setdefault(g.dtype, []).append(g)
     for dt,gs in by_dtype.items():
         if dt == torch.bfloat16: _unscale_bf16_(gs, inv_scale, found_inf, scale)

@@ -40,13 +40,18 @@ _names = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
 
 def _dtype_hint(learn:Learner, e:BaseException):
     "Name the usual causes of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
-    dt = getattr(next(iter(_role(learn, 'model')), None), 'run_dtype', torch.float32)
+    mth = next(iter(_role(learn, 'model')), None)
+    dt = getattr(mth, 'run_dtype', torch.float32)
     if dt == torch.float32 or not isinstance(e, RuntimeError) or not _two_dtypes.search(str(e)): return
     if any('fastai_fp16' in n for n in getattr(e, '__notes__', ())): return  # an inner call said it already
     made = ("a tensor made inside `forward` without a dtype (`torch.zeros(n)`, `torch.ones(...)`, `torch.tensor(...)`), "
             "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
             "device=x.device)`), or run that module in fp32: `learn.to_float().to_half("
-            f"'{_names.get(dt, dt)}', keep_fp32=['its.name'])` (its name as `learn.model.named_modules()` gives it)")
+            f"'{_names.get(dt, dt)}', keep_fp32=['its.name'])` (its name as `learn.model.named_modules()` gives it)"
+            + (". With `autocast=False` every op computes in the half dtype: without it (the default) torch.autocast casts "
+               "such a tensor for the ops it lowers (matmul, linear, convolutions...)" if getattr(mth, 'autocast', True) is False
+               else ". torch.autocast's per-op policy, on in flight, casts it only for the ops it lowers (matmul, linear, "
+                    "convolutions...): this op is not one of them"))
     kept = ("a state this model keeps between batches, made fp32 at rest (with the model, or by its `reset`) and met by half "
             "activations: `to_half` casts the inputs of torch's RNN modules in flight, not those of other modules. Make the "
             "state in the activations' dtype where it is used (`state.to(x.dtype)`), or register it as a buffer (buffers "

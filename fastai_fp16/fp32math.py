@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import MethodType
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch import Tensor
+from .op_policy import autocast_off
 
 # %% auto #0
 __all__ = ['ConvFp32', 'LinearFp32', 'patch_fp32_math', 'unpatch_fp32_math']
@@ -21,15 +22,17 @@ class ConvFp32(torch.autograd.Function):
     def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
         ctx.conf, ctx.b_dtype = (stride, padding, dilation, transposed, output_padding, groups), None if b is None else b.dtype
         ctx.save_for_backward(x, w)  # the half tensors: what a GPU keeps
-        out = torch.ops.aten.convolution(x.float(), w.float(), _to(b, torch.float32), *ctx.conf)
+        with autocast_off(x.device.type):  # fp32 math under the window's autocast too (it would lower the convolution)
+            out = torch.ops.aten.convolution(x.float(), w.float(), _to(b, torch.float32), *ctx.conf)
         return out.to(w.dtype)
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[1], ctx.b_dtype is not None and need[2]]
-        gx, gw, gb = torch.ops.aten.convolution_backward(g.float(), x.float(), w.float(),
-                                                         [g.shape[1]] if mask[2] else None, *ctx.conf, mask)
+        with autocast_off(g.device.type):  # a backward inside `in_flight()` runs under autocast
+            gx, gw, gb = torch.ops.aten.convolution_backward(g.float(), x.float(), w.float(),
+                                                             [g.shape[1]] if mask[2] else None, *ctx.conf, mask)
         return (_to(gx, x.dtype) if mask[0] else None, _to(gw, w.dtype) if mask[1] else None,
                 _to(gb, ctx.b_dtype) if mask[2] else None) + (None,)*6
 
@@ -39,14 +42,15 @@ class LinearFp32(torch.autograd.Function):
     def forward(ctx, x, w, b):
         ctx.b_dtype = None if b is None else b.dtype
         ctx.save_for_backward(x, w)
-        return F.linear(x.float(), w.float(), _to(b, torch.float32)).to(w.dtype)
+        with autocast_off(x.device.type): return F.linear(x.float(), w.float(), _to(b, torch.float32)).to(w.dtype)
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         need, g = ctx.needs_input_grad, g.float()
         g2 = g.reshape(-1, g.shape[-1])
-        gx = (g @ w.float()).to(x.dtype) if need[0] else None
-        gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(w.dtype) if need[1] else None
+        with autocast_off(g.device.type):
+            gx = (g @ w.float()).to(x.dtype) if need[0] else None
+            gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(w.dtype) if need[1] else None
         gb = g2.sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and need[2] else None
         return gx, gw, gb
 

@@ -127,3 +127,11 @@ def _fused_step_ok(opt, # the fit's optimizer
         raise ValueError(f"fused_step=True needs {why}. Leave fused_step=None to step fused only where it can, or "
                          "pass False; a torch optimizer through `OptimWrapper` takes its own `fused=True`.")
     return why is None
+
+def _step_with(run, # a fit's state (`MixedPrecision._run`): its `opt` and whether it is `fused`
+               opt, dev:torch.device, asked:bool|None, master_weights:bool=True): # as `_fused_step_ok` takes them
+    "`run` steps with `opt` (the fit's, or a new one: `learn.export` makes one mid-fit), fused where it can be"
+    if getattr(run, 'fused', False): unuse_fused_adam(run.opt)  # the one before gets its own step back
+    run.fused = _fused_step_ok(opt, dev, asked, master_weights)
+    if run.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
+    run.opt = opt

@@ -4,17 +4,16 @@
 
 # %% ../nbs/01a_half_model.ipynb #9bb21329
 from __future__ import annotations
-import functools, operator, warnings
+import warnings
 import torch, torch.nn as nn
-from torch.nn.modules import module as _mod
-from torch.nn.utils.weight_norm import WeightNorm
-from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.parameter import is_lazy
 from fastai.callback.core import Callback
 from .core import *
 from .hardware import detect, _fp32_math_arg
 from .layout import plan_fit, layout_asked
-from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .buffer_guard import kept_fp32, run_fp32
+from .buffer_guard import kept_fp32
+from .casts import _Casts
+from .op_policy import autocast_ok
 from .conflicts import check_fastai_precision
 from .fit_guard import _role, _in_fit
 
@@ -58,133 +57,6 @@ def _sparse(m:nn.Module)->bool:
     "An embedding with sparse grads: kept fp32 (sparse grads are unscaled as they are; a half copy could not take them)"
     return isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
 
-# %% ../nbs/01a_half_model.ipynb #8698e6dc
-# a param, buffer or submodule (re)registered anywhere (`load_state_dict(assign=True)`, a layer grown mid-fit, a buffer
-# the forward makes): the model may have changed, so the next batch looks again (hooks on during a fit only)
-_reg_hooks = (_mod.register_module_parameter_registration_hook, _mod.register_module_buffer_registration_hook,
-              _mod.register_module_module_registration_hook)
-_computed = (WeightNorm, BasePruningMethod)  # old-style pre-hooks that compute a weight attribute from params
-
-class _Casts:
-    "A fit's model in flight: each converted param registered as its cast (inside autograd), each converted buffer as a half copy; or, `at_rest`, the tensors made half for the whole fit"
-    def __init__(self, dt, pick, fp32_math:bool, at_rest:list|None=None):
-        self.dt, self.pick, self.fp32_math = dt, pick, fp32_math  # pick(model): (params, buffers, fp32 modules) to convert
-        self.model, self.up, self.kept, self.dirty, self.undo, self.born = None, False, False, True, [], []
-        self.pr, self.br, self.casts, self.mods, self.rnns, self.pre = [], [], [], [], [], []
-        self.hooks = [h(self._registered) for h in _reg_hooks]
-        self.ts = self.f32 = None
-        if at_rest is not None:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
-            self.ts, self.f32 = at_rest, [t.data for t in at_rest]
-            for t in at_rest: t.grad = None; t.data = t.data.to(dt)
-
-    def _registered(self, m, name, value):
-        self.dirty = True
-        if self.up and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter): self.born.append((m, name))
-
-    def _find(self, model:nn.Module):
-        "Where each converted tensor is registered in `model` as it is now (a dict entry each), and what runs around them"
-        ps, bs, self.mods = self.pick(model)
-        self.pr = ps
-        old = {id(b): (hb, s) for _,_,b,hb,s in self.br if hb.shape == b.shape}
-        self.br = [(d, n, b, *old.get(id(b), (torch.empty_like(b, dtype=self.dt), torch.empty_like(b, dtype=self.dt)))) for d,n,b in bs]
-        inner = {id(s) for m in self.mods for s in m.modules()}
-        # an RNN's hidden state, made at rest (fastai's `ModelResetter` resets at `before_train`) or kept from before the fit
-        # (fp32), meets weights that are half in flight: its inputs are cast, as torch.autocast casts an RNN's
-        self.rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase) and id(m) not in inner]
-        self.pre = [(m,h) for m in model.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _computed)]
-        self.model, self.dirty = model, False
-
-    def open(self, model:nn.Module):
-        "In flight: each converted param registered as `p.to(dt)` of its fp32 value now, each converted buffer as a half copy"
-        if self.up: return
-        moved = any(d.get(n) is not t for d,n,t in self.pr) or any(d.get(n) is not t for d,n,t,*_ in self.br)
-        if self.dirty or moved or model is not self.model: self._find(model)
-        if self.f32 is None:
-            cs, self.casts = {}, []
-            for _,_,p in self.pr:  # the backward runs through each cast into its fp32 param: `p.grad` is fp32
-                c = cs.get(id(p))
-                if c is None: c = cs[id(p)] = p.to(self.dt)  # once per tensor (tied weights share one); keeps the memory format
-                self.casts.append(c)
-        self._put(refresh=True)
-
-    def reopen(self):
-        "For the backward: the forward's casts back in the model, so that a checkpointed block's recomputation meets them"
-        if not self.up and self.kept: self._put(refresh=False)  # the copies as the forward left them (its graph saved some)
-
-    def _put(self, refresh:bool):
-        self.up, self.kept, self.born, model = True, False, [], self.model
-        self.undo.append(model.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove)  # the batch, as the model gets it
-        if self.f32 is None:
-            for (d,n,p),c in zip(self.pr, self.casts):
-                if refresh or d.get(n) is p: d[n] = c  # (not over a tensor the forward registered there instead)
-            if self.br and refresh:
-                with torch.no_grad():
-                    hbs = [t[3] for t in self.br]
-                    torch._foreach_copy_(hbs, [t[2] for t in self.br]); torch._foreach_copy_([t[4] for t in self.br], hbs)
-                for d,n,_,hb,_ in self.br: d[n] = hb
-        if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
-        if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt)]
-        if self.rnns: self.undo += [m.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove for m in self.rnns]
-
-    def _cast_in(self, m, args, kwargs): return cast_floats(args, self.dt), cast_floats(kwargs, self.dt)
-
-    def close(self, keep:bool=False):
-        "At rest: the fp32 tensors back; what the forward changed in place, re-assigned or made lands in them, in fp32; `keep` the casts for `reopen`"
-        if not self.up: return
-        self.up, self.kept = False, keep
-        for u in reversed(self.undo): u()
-        self.undo = []
-        with torch.no_grad():
-            if self.f32 is None: self._land_params(keep); self._land_buffers()
-            if self.born: self._land_born()
-            for m,h in self.pre: h(m, ())  # `weight_norm`'s, `prune`'s weight attribute recomputed from the fp32 params
-
-    def _land_params(self, keep:bool):
-        changed = []
-        for (d,n,p),c in zip(self.pr, self.casts):
-            if d.get(n) is c: d[n] = p
-            else: self.dirty = True  # the forward registered another tensor there: the model's now
-            if c._version: changed.append((p, c))  # changed in place (`nn.Embedding(max_norm=...)` renormalizes rows)
-        if not keep: self.casts = []
-        for p,c in changed: p.copy_(torch.where(c != p.to(c.dtype), c.float(), p))  # only what it changed
-
-    def _land_buffers(self):
-        br = []
-        for e in self.br:
-            d,n,b,hb,snap = e
-            cur = d.get(n); d[n] = b
-            if cur is hb: b.copy_(torch.where(hb != snap, hb, b))  # only what the forward changed: the rest keeps its fp32 value
-            elif isinstance(cur, torch.Tensor) and cur.shape == b.shape and cur.device == b.device: b.copy_(cur)  # `self.n = self.n + 1`
-            else:  # re-assigned with a new shape (a longer history, a cache rebuilt): the model's tensor now, in fp32
-                d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == self.dt else cur
-                self.dirty = True
-                if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
-                h = e.to(self.dt)
-                e = (d, n, e, h, h.clone())  # its copies, for the backward's recomputation and the next batch
-            br.append(e)
-        self.br = br
-
-    def _land_born(self):
-        "Buffers first registered in flight (a cache the forward made): fp32 at rest, converted in flight from the next batch"
-        ours = {id(m) for m in self.model.modules()}
-        for m,n in self.born:
-            t = m._buffers.get(n)
-            if id(m) in ours and isinstance(t, torch.Tensor) and t.dtype == self.dt: m._buffers[n] = t.float()
-        self.born = []
-
-    def restore(self):
-        "`at_rest`: the tensors back to fp32: their exact original values where the fit left them, else their half values"
-        if not self.ts: return
-        with torch.no_grad(): same = torch.stack([(t.data == o.to(t.dtype)).all() for t,o in zip(self.ts, self.f32)]).tolist()  # one sync
-        for t,o,s in zip(self.ts, self.f32, same): t.grad = None; t.data = o if s else t.data.float()
-        self.ts = self.f32 = None
-
-    def remove(self):
-        "The fit is over: the model at rest, the registration hooks off, fp32 again after `master_weights=False`"
-        self.close(); self.casts = []; self.restore()
-        for h in self.hooks: h.remove()
-        self.hooks = []
-
 # %% ../nbs/01a_half_model.ipynb #69c26c39
 class ModelToHalf(Callback):
     "The model fp32 at rest and `dtype` in flight (a batch's forward and backward, a validation), as fastai trains it"
@@ -198,8 +70,10 @@ class ModelToHalf(Callback):
         dtype:torch.dtype|str='auto', # 'auto': what is fast where the fit runs (`plan_precision`); or torch.float16 / torch.bfloat16 ('fp16', 'bf16')
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
         keep_fp32=None, # modules, params or buffers kept fp32 (names, or module classes: see `kept_fp32`)
+        autocast:bool=True, # torch.autocast's per-op policy in flight (`op_policy`); False: every op in `dtype`, as `model.half()`
     ):
-        self.keep_fp32 = keep_fp32
+        if not isinstance(autocast, bool): raise ValueError(f"autocast is True (torch.autocast's per-op policy in flight) or False, got {autocast!r}.")
+        self.keep_fp32, self.autocast = keep_fp32, autocast
         self.dtype = half_dtype(dtype, auto=True)  # names in any case
         self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
 
@@ -224,7 +98,9 @@ class ModelToHalf(Callback):
             mp = next(iter(_role(learn, 'mixed')), None)
             half = fit and not getattr(mp, 'master_weights', True)
             ts = list({id(t): t for _,_,t in sum(self._pick(model)[:2], [])}.values()) if half else None
-            self._run = _Casts(self.run_dtype, self._pick, plan.fp32_math, at_rest=ts)
+            dev = _model_device(model).type
+            ops = dev if getattr(self, 'autocast', True) and autocast_ok(dev) else None
+            self._run = _Casts(self.run_dtype, self._pick, plan.fp32_math, at_rest=ts, ops=ops)
         if fit: self.plan = plan; self._tell(plan, layout_asked(learn) is None)
 
     def _pick(self, model)->tuple:
@@ -235,7 +111,7 @@ class ModelToHalf(Callback):
         inner = {id(s) for m in mods for s in m.modules()}
         mods = mods + [m for m in model.modules() if _sparse(m) and id(m) not in inner]  # run in fp32, outputs in the model's dtype
         keep |= {id(t) for m in model.modules() if (kinds and isinstance(m, kinds)) or _sparse(m) for t in module_tensors(m)}
-        f32 = lambda d: [(d, n, t) for n,t in d.items() if t is not None and t.dtype == torch.float32 and id(t) not in keep]
+        f32 = lambda d: [(d, n, t) for n,t in d.items() if t is not None and not is_lazy(t) and t.dtype == torch.float32 and id(t) not in keep]
         ms = list(model.modules())
         return [r for m in ms for r in f32(m._parameters)], [r for m in ms for r in f32(m._buffers)], mods
 

@@ -33,6 +33,7 @@ def to_half(self:Learner,
     channels_last:bool|None=None, # conv nets in channels_last (fastai's `ChannelsLast`): True, False, or None: where faster
     fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math; 'auto': where `dtype` is slow here (CPU)
     keep_fp32=None, # modules, params or buffers kept fp32 (names as `model.named_buffers()` gives them, or classes)
+    autocast:bool=True, # torch.autocast's per-op policy in flight (fp32 tensors made in the forward, FFTs...); False: every op in `dtype`
     **kwargs # `MixedPrecision`'s arguments
 )->Learner:
     "Train in mixed precision ('auto': what is fast here): fp32 params at rest, cast to half in flight, fp32 BatchNorm, loss scaling"
@@ -42,7 +43,7 @@ def to_half(self:Learner,
     dtype = half_dtype(dtype, auto=True)  # before any change: a wrong name leaves the Learner as it was
     mp = MixedPrecision(**kwargs)
     if dtype != 'auto': mp._for_dtype(dtype)  # its loss scale reads right before the first fit
-    cbs = [ModelToHalf(dtype, fp32_math, keep_fp32)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
+    cbs = [ModelToHalf(dtype, fp32_math, keep_fp32, autocast)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
     if channels_last is not False and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):  # the user's is kept
         cl = ChannelsLast() if channels_last else AutoChannelsLast()  # None: where the fit's plan prefers it
         cl._fp16_added = True  # ours to remove in `to_float`

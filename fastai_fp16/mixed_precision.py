@@ -20,8 +20,8 @@ from .buffer_guard import BufferGuard
 from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
-from .fused_adam import _fused_step_ok, use_fused_adam, unuse_fused_adam
-from .window import _gan, _cast_io, _compress  # and fastai's backward in the window (`Learner._backward`)
+from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
+from .window import _gan, _cast_io, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -35,7 +35,7 @@ _retired = dict(
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
     ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps = False, None, None, True, None, (), None, None, None, False, None, ()
-    def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks = dt, mth, dt == torch.float32, []
+    def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks, self.rest = dt, mth, dt == torch.float32, [], None
 
 class MixedPrecision(Callback):
     "Half inputs, the model in flight in half (`ModelToHalf`), fp32 loss, static or dynamic loss scaling, fp32 unscaled grads"
@@ -109,7 +109,7 @@ class MixedPrecision(Callback):
     def _check_fit(self):
         "Refuse, before anything is converted, what these settings cannot do in this fit"
         opt = getattr(self.learn, 'opt', None)
-        if self.fused_step and opt is not None: self._fused_ok(opt, _model_device(self.learn.model))  # raises if it cannot
+        if self.fused_step and opt is not None: _fused_step_ok(opt, _model_device(self.learn.model), True, self.master_weights)  # raises if it cannot
 
     def before_fit(self):
         if getattr(self, '_depth', 0): self._depth += 1; return
@@ -126,7 +126,7 @@ class MixedPrecision(Callback):
         "The window opens: the model computes in half (its params cast inside autograd)"
         r = self._run
         r.mth.fly()
-        if r.gan and not r.hooks: r.hooks = _cast_io(r.gan, r.dt, self.loss_fp32)
+        if r.gan and not r.hooks: r.hooks = _cast_io(r.gan, r.dt, self.loss_fp32, getattr(r.mth._run, 'ops', None))
     def _land(self, keep:bool=False):
         "The window closes: the model at rest, its own fp32 tensors; the targets as the DataLoader gave them"
         r = self._run
@@ -162,19 +162,10 @@ class MixedPrecision(Callback):
         r.ready, self.scales = True, L()
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
         for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
-        r.found_inf, r.inv_scale = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev)
+        r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
+        r.rest = _AtRest(self)
 
-    def _use_opt(self, opt, dev):
-        "Step with `opt` (the fit's, or a new one: `learn.export` makes one mid-fit), fused where it can be"
-        r = self._run
-        if getattr(r, 'fused', False): unuse_fused_adam(r.opt)
-        r.fused = self._fused_ok(opt, dev)
-        if r.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
-        r.opt = opt
-
-    def _fused_ok(self, opt, dev)->bool:
-        "Whether this fit steps fastai's `Adam` in torch's fused kernel: asked for (True) or possible (None)"
-        return _fused_step_ok(opt, dev, self.fused_step, self.master_weights)
+    def _use_opt(self, opt, dev): _step_with(self._run, opt, dev, self.fused_step, self.master_weights)  # fused where it can be
     @property
     def fused(self)->bool:
         "Whether this fit steps fastai's `Adam` in torch's fused kernel"
@@ -198,6 +189,7 @@ class MixedPrecision(Callback):
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
         if isinstance(m, DistributedDataParallel) and r.ddp is not m: _compress(m, r.dt); r.ddp = m
+        if r.rest is not None: r.rest.stop(); r.rest.rescale()
         self._fly()
 
     def after_pred(self):
@@ -223,7 +215,10 @@ class MixedPrecision(Callback):
     def _backward_done(self):
         "fastai's backward is over: the window closes, before any callback's `after_backward`"
         r = self._run
-        if r is not None and not r.off: self._land()
+        if r is None or r.off: return
+        self._land()
+        # a forward at rest before the step (SAM's, in fp32) unscales the grads first: its backward adds unscaled ones
+        if r.rest is not None and self.training and self.loss_scale != 1: r.rest.watch(self.learn.model)
 
     def before_backward(self):
         r = self._run
@@ -245,10 +240,11 @@ class MixedPrecision(Callback):
         if not getattr(r, 'ready', False): return
         r.stepped = False
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
-        fi = r.found_inf
-        fi.zero_()
-        gs = [p.grad for p in self._opt_params() if p.grad is not None]
-        unscale_grads_(gs, r.inv_scale, fi[:1], self.loss_scale)
+        fi, rest = r.found_inf, r.rest
+        rest.stop()
+        if rest.done: unscale_grads_(self._grads(), r.one, fi[:1], 1.)  # unscaled at a forward at rest: the new grads checked too
+        else: fi.zero_(); unscale_grads_(self._grads(), r.inv_scale, fi[:1], self.loss_scale)
+        rest.done = False
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(fi, op=dist.ReduceOp.MAX)  # every rank skips if any rank overflowed
@@ -266,6 +262,7 @@ class MixedPrecision(Callback):
         self._refresh_inv_scale(old)
         r.stepped = True
 
+    def _grads(self)->list: return [p.grad for p in self._opt_params() if p.grad is not None]
     def _opt_params(self)->list:
         "Each param the optimizer holds, once, in all its groups; looked up again when the groups change"
         r, pls = self._run, self._run.opt.param_lists
@@ -305,5 +302,6 @@ class MixedPrecision(Callback):
         r = self._run
         if r is not None and not r.off:
             self._land()
+            if r.rest is not None: r.rest.stop()
             if getattr(r, 'fused', False): unuse_fused_adam(r.opt)
         for a in self._stateattrs: self.__dict__.pop(a, None)

@@ -8,7 +8,8 @@ import functools, sys
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from fastai.learner import Learner
-from .core import cast_floats
+from .core import cast_floats, unscale_grads_
+from .op_policy import autocast_hooks
 
 # %% auto #0
 __all__ = []
@@ -21,9 +22,10 @@ def _gan(learn):
     if gan is None or not isinstance(m, gan.GANModule): return None
     return m, next((cb for cb in learn.cbs if isinstance(cb, gan.GANTrainer)), None)
 
-def _cast_io(mods:list, dt:torch.dtype, out_fp32:bool)->list:
-    "Hooks on `mods`: float inputs in `dt`, outputs in fp32 (`out_fp32`); a GAN's loss calls its models on tensors no batch cast reaches"
+def _cast_io(mods:list, dt:torch.dtype, out_fp32:bool, ops:str|None=None)->list:
+    "Hooks on `mods`: float inputs in `dt`, outputs in fp32 (`out_fp32`), under autocast for device type `ops`; a GAN's loss calls its models on tensors no batch cast reaches"
     hs = [m.register_forward_pre_hook(lambda m, args: cast_floats(args, dt)) for m in mods]
+    hs += [h for m in mods for h in autocast_hooks(m, ops, dt)] if ops else []  # the loss's calls under the model's op policy
     return hs + ([m.register_forward_hook(lambda m, a, out: cast_floats(out, torch.float32)) for m in mods] if out_fp32 else [])
 
 def _compress(ddp:DistributedDataParallel, dt:torch.dtype):
@@ -31,6 +33,24 @@ def _compress(ddp:DistributedDataParallel, dt:torch.dtype):
     if getattr(ddp, '_comm_hooks', None): return
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     ddp.register_comm_hook(None, dh.fp16_compress_hook if dt == torch.float16 else dh.bf16_compress_hook)
+
+# %% ../nbs/02a_window.ipynb #a7e1c00e
+class _AtRest:
+    "The model run at rest between the window's backward and the step (a SAM callback's second forward, fp32 as in an fp32 fit): the grads so far unscaled first, so that its backward adds unscaled grads to unscaled ones"
+    def __init__(self, mp): self.mp, self.h, self.done = mp, None, False  # done: the step's grads are unscaled
+    def watch(self, model):
+        if self.h is None: self.h = model.register_forward_pre_hook(self._forward)
+    def stop(self):
+        if self.h is not None: self.h.remove(); self.h = None
+    def _forward(self, m, args):
+        mp = self.mp; r = mp._run
+        if self.done or r.mth.in_flight or not torch.is_grad_enabled(): return  # in the window, or no backward to come
+        self.done = True
+        r.found_inf.zero_()
+        unscale_grads_(mp._grads(), r.inv_scale, r.found_inf[:1], mp.loss_scale)  # checked: `before_step` reads the flag
+    def rescale(self):
+        "A further micro-batch's backward (gradient accumulation) comes scaled: the grads unscaled at rest scaled back"
+        if self.done: torch._foreach_mul_(self.mp._grads(), self.mp.loss_scale); self.done = False
 
 # %% ../nbs/02a_window.ipynb #a7e1c006
 def _landing(bw):

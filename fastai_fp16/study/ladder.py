@@ -77,24 +77,25 @@ def recipe(f):
 def _half(learn, dtype=torch.float16, bn_fp32=True, **kw): return learn.to_half(dtype, bn_fp32=bn_fp32, **kw)
 
 _static = dict(dynamic=False)
+_pure = dict(autocast=False)  # the study's rungs as `model.half()` ran them: every op in fp16, no per-op policy
 @recipe
 def fp32(learn): "Baseline: everything fp32"; return learn
 @recipe
 def fp16_pure(learn):
     "Whole model fp16, BatchNorm and loss included; no loss scale, no fp32 master"
-    return _half(learn, bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, **_static)
+    return _half(learn, bn_fp32=False, master_weights=False, loss_fp32=False, init_scale=1, **_static, **_pure)
 @recipe
 def fp16_bn32(learn):
     "fp16 model with BatchNorm in fp32"
-    return _half(learn, master_weights=False, loss_fp32=False, init_scale=1, **_static)
+    return _half(learn, master_weights=False, loss_fp32=False, init_scale=1, **_static, **_pure)
 @recipe
 def fp16_loss32(learn):
     "+ loss computed in fp32"
-    return _half(learn, master_weights=False, init_scale=1, **_static)
+    return _half(learn, master_weights=False, init_scale=1, **_static, **_pure)
 @recipe
 def fp16_static_nomaster(learn):
     "+ static loss scale 512 (the study's), gradients unscaled in fp16, no fp32 master"
-    return _half(learn, master_weights=False, init_scale=512, **_static)
+    return _half(learn, master_weights=False, init_scale=512, **_static, **_pure)
 @recipe
 def fp16_master(learn):
     "Full mixed precision: dynamic loss scale, fp32 masters, fp32 BatchNorm and loss"
@@ -112,7 +113,7 @@ def fastai_native(learn):
 def nvidia_static128(learn):
     "NVIDIA's PyTorch recipe: whole model fp16, fp32 masters, fp32 loss, static scale 128, plain SGD at a constant lr"
     learn.opt_func, learn.fit_method = SGD, 'fit'
-    return _half(learn, bn_fp32=False, init_scale=128, **_static)
+    return _half(learn, bn_fp32=False, init_scale=128, **_static, **_pure)
 @recipe
 def nvidia_tf_cnn(learn):
     "NVIDIA's TensorFlow example: its CNN, fp32 storage/fp16 compute, scale 128, clip 5, SGD momentum .9, lr .01"
