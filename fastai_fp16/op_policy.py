@@ -66,7 +66,11 @@ def autocast_off_hooks(m:nn.Module, # a module whose forward computes in fp32 un
     return [m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True, prepend=True)]  # post first: last in, first out
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a00e
-_tls = threading.local()  # the window up in this thread (a fit's casts), for autocast regions and `Module._apply` in flight
+_AC = torch.amp.autocast_mode.autocast  # `torch.autocast`, and the base of `torch.cuda.amp.autocast`/`torch.cpu.amp.autocast`
+# the window up in this thread (a fit's casts), for autocast regions and `Module._apply` in flight; kept on the class, so
+# that the wrappers installed once and this module's functions share it however often the module is loaded
+_tls = _AC.__dict__.get('_fp16_tls') or threading.local()
+_AC._fp16_tls = _tls
 
 def _window():
     "The window up in this thread, or None"
@@ -114,6 +118,5 @@ def _applying(apply):
     _apply._fp16 = True
     return _apply
 
-_AC = torch.amp.autocast_mode.autocast  # `torch.autocast`, and the base of `torch.cuda.amp.autocast`/`torch.cpu.amp.autocast`
 if not getattr(_AC.__enter__, '_fp16', False): _AC.__enter__, _AC.__exit__ = _region_enter(_AC.__enter__), _region_exit(_AC.__exit__)
 if not getattr(nn.Module._apply, '_fp16', False): nn.Module._apply = _applying(nn.Module._apply)
