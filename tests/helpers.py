@@ -61,3 +61,11 @@ def recipe_by_hand(opt_cls, steps, lr=1e-2, N=64, D_in=32, D_out=16):
         opt.step()
         master_params_to_model_params(model_params, master_params)
     return lin, x, y, master_params
+
+def moved_alike(a, b, w0, tol=0.2):
+    "The params of `a` moved from `w0` as those of `b` did: the size of each move within `tol`, in the same direction"
+    for x, y, s in zip(a, b, w0):
+        d, r = x - s, y - s
+        n, nr = torch.linalg.vector_norm(d), torch.linalg.vector_norm(r)
+        if nr < 1e-6: assert n < 1e-4, (n, nr); continue  # a param fp32 barely moved (BatchNorm's at these lrs)
+        assert abs(n / nr - 1) < tol and torch.linalg.vector_norm(d - r) < tol * nr, (n, nr)

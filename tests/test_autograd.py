@@ -14,14 +14,6 @@ def fit(model, dtype, cbs=(), epochs=2, lr=1e-2, opt_func=SGD, loss_func=None, d
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs, lr)
     return learn
 
-def moved_alike(a, b, w0, tol=0.2):
-    "The params of `a` moved from `w0` as those of `b` did: the size of each move within `tol`, in the same direction"
-    for x, y, s in zip(a, b, w0):
-        d, r = x - s, y - s
-        n, nr = torch.linalg.vector_norm(d), torch.linalg.vector_norm(r)
-        if nr < 1e-6: assert n < 1e-4, (n, nr); continue  # a param fp32 barely moved (BatchNorm's at these lrs)
-        assert abs(n / nr - 1) < tol and torch.linalg.vector_norm(d - r) < tol * nr, (n, nr)
-
 dtypes = pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 
 class Ckpt(nn.Module):
