@@ -205,22 +205,26 @@ class LazyNet(nn.Module):
     def forward(self, x): return self.b(F.relu(self.a(x)))
 
 class LazySpy(Callback):
+    "The lazy weight's dtype at each training batch; every param as the first forward made it (in fp32, where none is cast)"
     order = 20
-    def before_fit(self): self.seen = []
+    def before_fit(self): self.seen, self.w0 = [], None
     def after_pred(self):
-        if self.training: self.seen.append(self.model.a._parameters['weight'].dtype)
+        if not self.training: return
+        self.seen.append(self.model.a._parameters['weight'].dtype)
+        if self.w0 is None: self.w0 = [p.detach().float().clone() for p in self.model.parameters()]
 
 @dtypes
 def test_lazy_module(dtype):
-    spy = LazySpy()
+    spy, ref_spy = LazySpy(), LazySpy()
     torch.manual_seed(0); m = LazyNet(); ref = copy.deepcopy(m)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # torch: lazy modules are a new feature
-        torch.manual_seed(1); a = fit(ref, 'fp32')  # the params are made at the first forward, from the same random state
+        torch.manual_seed(1); a = fit(ref, 'fp32', [ref_spy])  # the params are made at the first forward, from the same random state
         torch.manual_seed(1); b = fit(m, dtype, [spy])  # "in_features inferred from input: 4 is not equal to ... 0" before
     half = torch.bfloat16 if dtype == 'bf16' else torch.float16
     assert spy.seen == [torch.float32] + [half] * 5  # made fp32 at its first forward, converted from the next batch
-    for x, y in zip(params(b), params(a)): assert torch.allclose(x, y, atol=5e-2)
+    assert torch.equal(spy.w0[0], ref_spy.w0[0])  # the same start (the other params: half casts at that moment)
+    moved_alike(params(b), params(a), ref_spy.w0, tol=0.25)
     assert type(m.a) is nn.Linear and fp32_everywhere(b)
 
 class Ops(TorchDispatchMode):
