@@ -78,8 +78,8 @@ class EMA(Callback):
         if r.pairs is not None: return self._live()  # an earlier fit's average goes on
         if self.avg: warnings.warn("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
                                    "the average starts again from the weights.", stacklevel=2)
-        ts = _tracked(_unwrap(self.learn.model), self.buffers == 'ema')
-        self.avg, self.n_updates = {n: t.detach().to(_ema_dtype(t), copy=True) for n,t in ts}, 0
+        ts, lean = _tracked(_unwrap(self.learn.model), self.buffers == 'ema'), self._lean()
+        self.avg, self.n_updates = {n: (lean.master(t) if lean else t).detach().to(_ema_dtype(t), copy=True) for n,t in ts}, 0
         r.pairs = self._pairs(self.learn.model)
         self._live()
 
@@ -87,6 +87,10 @@ class EMA(Callback):
         "The tensors the optimizer steps in place, found once a fit; upcast at each update only where they are half (`master_weights=False`)"
         r = self._run
         r.live, r.cast = [t.detach() for t,_ in r.pairs], any(t.dtype != a.dtype for t,a in r.pairs)
+
+    def _lean(self):
+        "The fit's lean masters (`masters='split'`...), whose fp32 values the average takes, else None"
+        return getattr(getattr(self.learn.__dict__.get('mixed_precision'), '_run', None), 'lean', None)
 
     def after_cancel_step(self):
         r = getattr(self, '_run', None)
@@ -101,6 +105,11 @@ class EMA(Callback):
         n, d = self.n_updates, self.decay
         if self.warmup: d = min(d, (1+n) / (10+n))
         ts, avgs = zip(*r.pairs)
+        lean = self._lean()
+        if lean is not None:  # lean masters (`masters='split'`...): their fp32 values, a param at a time (each step re-makes its bf16 tensor)
+            with torch.no_grad():
+                for t,a in r.pairs: a.lerp_(lean.master(t).to(a.dtype), 1. - d)
+            self.n_updates = n + 1; return
         vals = [v.to(a.dtype) for v,a in zip(r.live, avgs)] if r.cast else r.live
         with torch.no_grad(): torch._foreach_lerp_(list(avgs), vals, 1. - d)  # avg += (1-d)*(w - avg)
         self.n_updates = n + 1

@@ -64,14 +64,18 @@ def _like(t, p):
 
 def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) over fp32 params
                     kind:str='adamw', # what `fastai_adam_kind(opt)` returned
+                    ps:list|None=None, # only these of its params (`LeanMasters` steps a chunk at a time); None: all
+                    wide:dict|None=None, # fp32 stand-ins of bf16 params, by the param's `id` (`LeanMasters`)
                    ):
     "One step of fastai's `Adam` on `opt`'s params that have grads, in torch's fused kernel, state in fastai's format"
+    only = None if ps is None else {id(p) for p in ps}
     fused = torch._fused_adamw_ if kind == 'adamw' else torch._fused_adam_  # decoupled weight decay, or L2
     for pg, hyper in zip(opt.param_lists, opt.hypers):
         buckets = {}
         for p in pg:
-            if p.grad is None: continue  # as fastai's `all_params(with_grad=True)`
+            if p.grad is None or (only is not None and id(p) not in only): continue  # as fastai's `all_params(with_grad=True)`
             st = opt.state[p]
+            if wide: p = wide.get(id(p), p)  # a lean param's fp32 value and grad, stepped in its place
             # a state saved in another memory format (resumed with channels_last): made like its param once, else the
             # CUDA kernel refuses it and the CPU one misreads it
             for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
@@ -114,11 +118,12 @@ def _fused_step_ok(opt, # the fit's optimizer
                   dev:torch.device, # the model's device
                   asked:bool|None, # `MixedPrecision(fused_step=...)`: True (raise if it cannot), None (where it can), False
                   master_weights:bool=True, # whether the optimizer steps fp32 params
+                  lean:bool=False, # bf16 params whose fp32 values `LeanMasters` widens for the step
                  )->bool:
     "Whether a fit steps fastai's `Adam` in torch's fused kernel: asked for (True: raises, saying why, if it cannot) or possible (None)"
     if asked is False: return False
     tgt = fused_adam_target(opt)
-    other = tgt is not None and {p.dtype for pg in tgt.param_lists for p in pg if p.requires_grad} - {torch.float32}
+    other = tgt is not None and not lean and {p.dtype for pg in tgt.param_lists for p in pg if p.requires_grad} - {torch.float32}
     why = ("fp32 params (`master_weights=True`)" if not master_weights else
            "fastai's `Adam` (the Learner's default `opt_func`), as it comes or inside a wrapper such as `Lookahead`"
            if tgt is None else f"fp32 params only, and this model trains {sorted(map(str, other))} ones too" if other else

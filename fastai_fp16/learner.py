@@ -5,7 +5,7 @@
 # %% ../nbs/03_learner.ipynb #f81242be
 from __future__ import annotations
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import torch
 from fastcore.basics import patch
 from fastcore.foundation import L
@@ -17,6 +17,9 @@ from .core import half_dtype
 from .half_model import *
 from .mixed_precision import *
 from .conflicts import check_fastai_precision
+from .masters import check_masters, without_bits
+from fastai.torch_core import get_model
+from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = []
@@ -42,7 +45,7 @@ def to_half(self:Learner,
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
     dtype = half_dtype(dtype, auto=True)  # before any change: a wrong name leaves the Learner as it was
     mp = MixedPrecision(**kwargs)
-    if dtype != 'auto': mp._for_dtype(dtype)  # its loss scale reads right before the first fit
+    if dtype != 'auto': mp._for_dtype(dtype); check_masters(mp.masters, mp.opt_states, dtype)  # its loss scale reads right before the first fit
     cbs = [ModelToHalf(dtype, fp32_math, keep_fp32, autocast)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
     if channels_last is not False and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):  # the user's is kept
         cl = ChannelsLast() if channels_last else AutoChannelsLast()  # None: where the fit's plan prefers it
@@ -71,6 +74,17 @@ for _n in ('to_fp32', 'to_non_native_fp32'):
 # %% ../nbs/03_learner.ipynb #98dc25ec
 def _mixed(learn): return next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)
 
+def _lean(learn): return getattr(getattr(_mixed(learn), '_run', None), 'lean', None)  # a fit's lean masters (`masters='split'`...)
+
+def _widened(learn, what:str):
+    "Mid-fit with lean masters: the params fp32, their exact values, inside; else nothing to do"
+    lean = _lean(learn)
+    if lean is None or not lean.ps: return nullcontext()
+    if isinstance(learn.model, DistributedDataParallel): raise ValueError(
+        f"`learn.{what}` in a DDP fit with masters={lean.mode!r} would make the params fp32 under DDP, which then loses track "
+        f"of their grads. Call it after the fit, or from an `after_fit` at an order above 10 (the params are fp32 there).")
+    return lean.widened(learn)
+
 @contextmanager
 def _opt_method(opt, name, f):
     "Temporarily replace method `name` of `opt` (this instance only)"
@@ -83,8 +97,11 @@ def _save_with_scaler(save):
     def _save(self, file, **kwargs):
         mp, opt = _mixed(self), getattr(self, 'opt', None)
         if mp is None or opt is None: return save(self, file, **kwargs)
-        sd = opt.state_dict  # the optimizer's own (the model's params, fp32), and the loss scaler's state with it
-        with _opt_method(opt, 'state_dict', lambda: {**sd(), 'mixed_precision': mp.state_dict()}): return save(self, file, **kwargs)
+        sd, lean = opt.state_dict, _lean(self)  # the optimizer's own (the model's params, fp32), and the loss scaler's state with it
+        if lean is not None: sd = lambda sd0=sd: without_bits(sd0())  # lean masters: their bits are in the fp32 weights saved
+        with _opt_method(opt, 'state_dict', lambda: {**sd(), 'mixed_precision': mp.state_dict()}), \
+             (lean.saving(get_model(self.model)) if lean is not None else nullcontext()):  # fp32 weights, exact, whatever the masters
+            return save(self, file, **kwargs)
     _save._fp16 = True
     return _save
 
@@ -103,7 +120,7 @@ def _load_with_scaler(load):
                 except (ValueError, KeyError, TypeError) as e: err.append(e); return
             load_sd(sd)
             if 'mixed_precision' in sd: mp.load_state_dict(sd['mixed_precision'])
-        with _opt_method(self.opt, 'load_state_dict', _load_sd): res = load(self, file, device=device, **kwargs)
+        with _widened(self, 'load'), _opt_method(self.opt, 'load_state_dict', _load_sd): res = load(self, file, device=device, **kwargs)
         if err: raise ValueError(f"The checkpoint {file!r} holds a loss-scaler state that cannot be loaded: {err[0]} Its model "
                                  "weights were loaded; the optimizer and the loss scale were left as they were. "
                                  f"`learn.load({str(file)!r}, with_opt=False)` loads the weights alone.") from err[0]
@@ -122,10 +139,11 @@ def _export_plain(export):
     def _export(self, *args, **kwargs):
         ours = [cb for cb in self.cbs if _ours(cb)]
         if not ours: return export(self, *args, **kwargs)
-        cbs, attrs = self.cbs, {cb.name: cb for cb in ours if self.__dict__.get(cb.name) is cb}
+        cbs, attrs, fp32 = self.cbs, {cb.name: cb for cb in ours if self.__dict__.get(cb.name) is cb}, _widened(self, 'export')
         self.cbs = L(cb for cb in cbs if not _ours(cb))  # what is pickled: the Learner without them...
         for n in attrs: del self.__dict__[n]
-        try: return export(self, *args, **kwargs)
+        try:
+            with fp32: return export(self, *args, **kwargs)  # the fp32 weights, whatever the masters
         finally: self.cbs = cbs; self.__dict__.update(attrs)  # ...and the one you hold, as it was
     _export._fp16 = True
     return _export

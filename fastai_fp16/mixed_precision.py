@@ -22,6 +22,7 @@ from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
 from .window import _gan, _cast_io, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
+from .masters import check_masters, _lean_for, _step_lean
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -34,7 +35,7 @@ _retired = dict(
 
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps = False, None, None, True, None, (), None, None, None, False, None, ()
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean = False, None, None, True, None, (), None, None, None, False, None, (), None
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks, self.rest = dt, mth, dt == torch.float32, [], None
 
 class MixedPrecision(Callback):
@@ -62,6 +63,8 @@ class MixedPrecision(Callback):
         keep_master_grads:None=None, # retired (must be None)
         guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
         fused_step:bool|None=None, # step fastai's `Adam` in torch's fused kernel; None: where it can
+        masters:str='fp32', # bf16's fp32 masters: 'fp32' (the params), or in fewer bytes: 'split', 'kahan', 'stochastic' (`LeanMasters`)
+        opt_states:str='fp32', # with lean `masters`, the optimizer's averages at rest: 'fp32' or 'bf16'
     ):
         self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -73,7 +76,9 @@ class MixedPrecision(Callback):
         if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise ValueError(f"clip is a max gradient norm: a finite number > 0 (or None: no clipping), got {clip}.")
         if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
-        store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step')
+        check_masters(masters, opt_states, master_weights=master_weights)
+        store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step,masters,opt_states')
+        self.lean_steps = 0  # lean masters' steps over fits (stochastic rounding's random bits go on from it)
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
         self.scales = L()
 
@@ -89,7 +94,9 @@ class MixedPrecision(Callback):
 
     @property
     def loss_scale(self)->float: return self.scaler.scale
-    def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype)}
+    def state_dict(self)->dict:
+        lean = getattr(self._run, 'lean', None)
+        return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': lean.steps if lean else self.lean_steps}
     def _checked_state(self, sd:dict)->tuple:
         "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
         dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16)}, sd.get('dtype') if isinstance(sd, dict) else None
@@ -100,6 +107,8 @@ class MixedPrecision(Callback):
         "Restore what `state_dict` returned (or a bare `LossScaler` state); a refused one leaves this as it was"
         st, dt = self._checked_state(sd)
         self.scaler.load_state_dict(st); self._scaler_dtype = dt
+        self.lean_steps = sd.get('lean_steps', 0) if isinstance(sd, dict) else 0
+        if getattr(self._run, 'lean', None): self._run.lean.steps = self.lean_steps
 
     def _check(self):
         _check_setup(self.learn)
@@ -121,6 +130,7 @@ class MixedPrecision(Callback):
         if _in_fit(self.learn): self._for_dtype(r.dt)
         gan = _gan(self.learn)
         if gan is not None: r.gan = [gan[0].generator, gan[0].critic]
+        if self.masters != 'fp32' and _in_fit(self.learn): r.lean = _lean_for(self, r)  # params bf16 at rest, before DDP wraps them
 
     def _fly(self):
         "The window opens: the model computes in half (its params cast inside autograd)"
@@ -165,7 +175,8 @@ class MixedPrecision(Callback):
         r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
         r.rest = _AtRest(self)
 
-    def _use_opt(self, opt, dev): _step_with(self._run, opt, dev, self.fused_step, self.master_weights)  # fused where it can be
+    def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are
+        (_step_lean if self._run.lean else _step_with)(self._run, opt, dev, self.fused_step, self.master_weights)
     @property
     def fused(self)->bool:
         "Whether this fit steps fastai's `Adam` in torch's fused kernel"
@@ -188,7 +199,9 @@ class MixedPrecision(Callback):
         if r.ready and r.fresh and self.guard_buffers:  # at rest, before a step's first forward
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
-        if isinstance(m, DistributedDataParallel) and r.ddp is not m: _compress(m, r.dt); r.ddp = m
+        if isinstance(m, DistributedDataParallel) and r.ddp is not m:
+            _compress(m, r.dt); r.ddp = m
+            if r.lean: r.lean.broadcast()  # rank 0's low bits too: DDP broadcast its bf16 params
         if r.rest is not None: r.rest.stop(); r.rest.rescale()
         self._fly()
 
@@ -303,5 +316,6 @@ class MixedPrecision(Callback):
         if r is not None and not r.off:
             self._land()
             if r.rest is not None: r.rest.stop()
-            if getattr(r, 'fused', False): unuse_fused_adam(r.opt)
+            if getattr(r, 'fused', False) or r.lean: unuse_fused_adam(r.opt)
+            if r.lean: self.lean_steps = r.lean.steps; r.lean.end()  # each param fp32 again, its exact value
         for a in self._stateattrs: self.__dict__.pop(a, None)

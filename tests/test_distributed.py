@@ -2,12 +2,12 @@
 import subprocess, sys, os, tempfile, torch, pytest, numpy as np, pandas as pd
 from pathlib import Path
 
-def _run(dtype, port):
+def _run(dtype, port, masters='fp32'):
     pytest.importorskip('accelerate')
     out = Path(tempfile.mkdtemp())
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'ACCELERATE_USE_CPU': '1'}  # accelerate: gloo on CPU
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
-                        str(Path(__file__).parent/'dist_train.py'), str(out), dtype], capture_output=True, text=True, env=env, timeout=300)
+                        str(Path(__file__).parent/'dist_train.py'), str(out), dtype, masters], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [torch.load(out/f'rank{i}.pt', weights_only=False) for i in (0, 1)]
 
@@ -31,3 +31,15 @@ def test_ranks_seeded_apart_end_identical(dtype, port):
         assert r['metric_names'][3:5] == ['loss_scale', 'skipped'] and [v[3] for v in r['values']] == [1, 2]
     assert pd.DataFrame(a['records']).equals(pd.DataFrame(b['records']))  # the same records on both ranks (NaN as NaN)
     np.testing.assert_array_equal(np.array(a['values'], dtype=float), np.array(b['values'], dtype=float))
+
+@pytest.mark.parametrize('masters,port', [('split', 29541), ('kahan', 29542), ('stochastic', 29543)])
+def test_lean_masters_ranks_end_identical(masters, port):
+    "Lean masters: DDP broadcasts rank 0's bf16 params, the first batch its low bits or compensation; stochastic rounding draws alike"
+    a, b = _run('bf16', port, masters)
+    assert a['skipped'] == b['skipped'] == 2  # the NaN on rank 1 skipped the step on both
+    assert a['dtypes'] == b['dtypes'] == {torch.float32}  # fp32 after the fit
+    assert a['reduced'] == b['reduced'] == {torch.bfloat16, torch.float32}
+    for x, y in zip(a['params'], b['params']): assert torch.equal(x, y)  # one fp32 value on both ranks, bit for bit
+    for x, y in zip(a['opt'], b['opt']): assert torch.equal(x, y)
+    ck = torch.load(next(Path(a['path']).glob('models/ep0.pth')), weights_only=False)  # saved mid-fit by rank 0
+    assert all(t.dtype == torch.float32 for t in ck['model'].values() if t.is_floating_point())

@@ -1,0 +1,174 @@
+"Lean masters (`to_half('bf16', masters='split'|'kahan'|'stochastic')`) in fits as users run them, each against fp32 masters"
+import pickle, tempfile, pytest, torch, torch.nn as nn
+from functools import partial
+from pathlib import Path
+from fastai.learner import Learner
+from fastai.optimizer import Adam, SGD, RAdam, Lamb, OptimWrapper, ranger
+from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.training import GradientAccumulation, GradientClip
+from fastai.callback.tracker import SaveModelCallback
+from fastai_fp16.all import *
+from fastai_fp16.masters import join_fp32
+from helpers import params, exportable_dls
+
+LEAN = ('split', 'kahan', 'stochastic')
+
+class Seen(Callback):
+    "Per training batch: the model's param dtypes at rest (after_batch), the optimizer state's keys, and the fp32 masters after each step"
+    order = 20
+    def before_fit(self): self.dtypes, self.keys, self.masters = set(), set(), []
+    def _lean(self): return getattr(getattr(self.learn.__dict__.get('mixed_precision'), '_run', None), 'lean', None)
+    def after_step(self):
+        lean = self._lean()
+        self.masters.append([(lean.master(p) if lean else p).detach().float().clone() for p in self.model.parameters()])
+    def after_batch(self):
+        if not self.training: return
+        self.dtypes |= {p.dtype for p in self.model.parameters()}
+        self.keys |= {k for p in self.model.parameters() for k in self.opt.state[p]}
+
+def learner(masters='fp32', opt_func=Adam, cbs=(), n=64, **kw):
+    learn = Learner(synth_dls(n=n), tiny_model(), loss_func=nn.MSELoss(), opt_func=opt_func, cbs=[Seen(), *cbs])
+    return learn.to_half('bf16', masters=masters, **kw)
+
+def fit(learn, epochs=2, lr=1e-2, **kw):
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs, lr, **kw)
+    return learn
+
+def no_bits(learn): return not any(k in ('master_lo', 'kahan_comp') for p in learn.model.parameters() for k in learn.opt.state[p])
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_trains_lean_in_the_fit_fp32_after(masters):
+    ref, learn = fit(learner()), fit(learner(masters))
+    s = learn.seen
+    assert s.dtypes == {torch.bfloat16, torch.float32}  # the Linear params bf16 at rest, BatchNorm's fp32
+    assert ('master_lo' in s.keys) == (masters == 'split') and ('kahan_comp' in s.keys) == (masters == 'kahan')
+    assert ref.seen.dtypes == {torch.float32}  # fp32 masters: fp32 at rest
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32} and no_bits(learn)  # after: plain fp32
+    assert all(torch.equal(p, m) for p, m in zip(learn.model.parameters(), s.masters[-1]))  # the masters' exact values
+    l0, l1 = ref.recorder.values[-1][0], learn.recorder.values[-1][0]
+    assert abs(l0 - l1) / l0 < 0.05, (l0, l1)  # the loss as fp32 masters'
+
+@pytest.mark.parametrize('opt_func', [Adam, SGD, RAdam, Lamb, partial(OptimWrapper, opt=torch.optim.AdamW)], ids=['adam', 'sgd', 'radam', 'lamb', 'torch_adamw'])
+def test_split_steps_as_fp32_masters(opt_func):
+    "Every step whose weights and grads are fp32 masters' ends in fp32 masters' weights, bit for bit"
+    a, b = fit(learner(opt_func=opt_func), 3), fit(learner('split', opt_func=opt_func), 3)
+    ea = [torch.equal(x, y) for ms, ns in zip(a.seen.masters, b.seen.masters) for x, y in zip(ms, ns)]
+    assert all(ea), ea.index(False)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.model.parameters(), tiny_model().parameters()))  # and they moved
+
+def test_refused_with_what_to_do():
+    with pytest.raises(ValueError, match=r"to_half\('bf16', masters='split'\)"): learner('split').to_float().to_half('fp16', masters='split')
+    with pytest.raises(ValueError, match='master_weights=False'): learner('kahan', master_weights=False)
+    with pytest.raises(ValueError, match="one of \\['fp32', 'split', 'kahan', 'stochastic'\\]"): learner('lean')
+    learn = learner('split', opt_func=ranger)
+    w = params(learn)
+    with pytest.raises(ValueError, match="Lookahead"): fit(learn)
+    assert all(torch.equal(p, q) and p.dtype == torch.float32 for p, q in zip(learn.model.parameters(), w))  # left as it was
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_resume_is_exact(masters):
+    "Saved mid-fit (fp32 weights, the masters' exact values) and resumed: the same end as the fit that went on"
+    with tempfile.TemporaryDirectory() as d:
+        class SaveAt(Callback):
+            order = 70
+            def after_epoch(self):
+                if self.epoch == 0:
+                    self.learn.save('ep0', with_opt=True); self.w = [m.clone() for m in self.learn.seen.masters[-1]]
+        a = learner(masters, cbs=[SaveAt()]); a.path = Path(d); fit(a, 2)
+        sd = torch.load(Path(d)/'models'/'ep0.pth', weights_only=False)
+        assert all(t.dtype == torch.float32 for t in sd['model'].values() if t.is_floating_point())
+        assert all(torch.equal(sd['model'][n], w) for (n, _), w in zip(a.model.named_parameters(), a.save_at.w))  # exact masters
+        assert not any(k in ('master_lo', 'kahan_comp') for s in sd['opt']['state'] for k in s)  # their bits are in the weights
+        assert a.seen.dtypes >= {torch.bfloat16}  # the fit went on lean after the save
+        b = learner(masters); b.path = Path(d); b.load('ep0', with_opt=True)
+        assert all(torch.equal(p, w) for p, w in zip(b.model.parameters(), a.save_at.w))
+        fit(b, 1)
+        assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_export_gives_fp32_exact(masters):
+    with tempfile.TemporaryDirectory() as d:
+        class ExportAt(Callback):
+            order = 70
+            def after_epoch(self):
+                if self.epoch == 0: self.learn.export(Path(d)/'mid.pkl'); self.w = [m.clone() for m in self.learn.seen.masters[-1]]
+        learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=d, cbs=[Seen(), ExportAt()]).to_half('bf16', masters=masters)
+        fit(learn, 2)
+        mid = torch.load(Path(d)/'mid.pkl', weights_only=False)
+        assert all(p.dtype == torch.float32 and torch.equal(p, w) for p, w in zip(mid.model.parameters(), learn.export_at.w))
+        assert learn.seen.dtypes >= {torch.bfloat16} and no_bits(learn)  # went on lean with the new optimizer export made
+        learn.export(Path(d)/'end.pkl')
+        end = torch.load(Path(d)/'end.pkl', weights_only=False)
+        assert all(p.dtype == torch.float32 and torch.equal(p, q) for p, q in zip(end.model.parameters(), learn.model.parameters()))
+        assert all(torch.equal(p, q) for p, q in zip(pickle.loads(pickle.dumps(learn.model)).parameters(), learn.model.parameters()))
+
+class Stop(Callback):
+    order = 20
+    def __init__(self, exc): self.exc = exc  # a class: a new exception each fit
+    def after_batch(self):
+        if self.training and self.iter == 1: self.w = [m.clone() for m in self.learn.seen.masters[-1]]; raise self.exc('a bug in a callback')
+
+@pytest.mark.parametrize('masters', LEAN)
+@pytest.mark.parametrize('exc', [CancelFitException, RuntimeError], ids=['cancelled', 'raised'])
+def test_stopped_fit_leaves_fp32_masters(masters, exc):
+    learn = learner(masters, cbs=[Stop(exc)])
+    if exc is RuntimeError:
+        with pytest.raises(RuntimeError, match='a bug'): fit(learn)
+    else: fit(learn)
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32} and no_bits(learn)
+    assert all(torch.equal(p, w) for p, w in zip(learn.model.parameters(), learn.stop.w))
+    learn.remove_cb(learn.stop); fit(learn.to_float(), 1)  # and a plain fp32 fit goes on from them
+
+class NaNAt(Callback):
+    order = 11
+    def before_batch(self):
+        if self.training and self.iter == 2: self.learn.xb = (self.xb[0] * float('nan'),)
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_skipped_step_leaves_masters(masters):
+    learn = fit(learner(masters, cbs=[NaNAt()]), 1)
+    assert learn.mixed_precision.skipped == 1
+    m = learn.seen.masters  # after_step runs for a cancelled step too: its masters are the step before's
+    assert all(torch.equal(x, y) for x, y in zip(m[1], m[2])) and not all(torch.equal(x, y) for x, y in zip(m[0], m[1]))
+    assert all(p.isfinite().all() for p in learn.model.parameters())
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_accumulation_and_clipping(masters):
+    for cbs, kw in ((lambda: [GradientAccumulation(32)], {}), (lambda: [GradientClip(0.1)], {}), (lambda: [], dict(clip=0.1))):
+        ref, learn = fit(learner(cbs=cbs(), **kw)), fit(learner(masters, cbs=cbs(), **kw))
+        moved = [(p - q).abs().max() for p, q in zip(learn.model.parameters(), tiny_model().parameters())]
+        assert all(m > 1e-4 for m in moved)
+        l0, l1 = ref.recorder.values[-1][0], learn.recorder.values[-1][0]
+        assert abs(l0 - l1) / l0 < 0.05, (cbs, l0, l1)
+
+def test_split_with_ema_averages_the_masters():
+    a = fit(learner(cbs=[EMA(decay=0.9)]), 2); b = fit(learner('split', cbs=[EMA(decay=0.9)]), 2)
+    assert all(torch.equal(x, y) for x, y in zip(a.ema.avg.values(), b.ema.avg.values()))
+    with b.ema.applied(): assert all(p.dtype == torch.float32 for p in b.model.parameters())
+
+def test_bf16_states():
+    class States(Callback):
+        order = 20
+        def after_batch(self):
+            if self.training: self.seen = {v.dtype for p in self.model.parameters() for k, v in self.opt.state[p].items() if k in ('grad_avg', 'sqr_avg') and p.dtype == torch.bfloat16}
+    ref, learn = fit(learner()), fit(learner('split', cbs=[States()], opt_states='bf16'))
+    assert learn.states.seen == {torch.bfloat16}
+    assert {v.dtype for p in learn.model.parameters() for k, v in learn.opt.state[p].items() if isinstance(v, torch.Tensor)} == {torch.float32}
+    l0, l1 = ref.recorder.values[-1][0], learn.recorder.values[-1][0]
+    assert abs(l0 - l1) / l0 < 0.05, (l0, l1)
+
+def test_scaler_state_round_trips_lean_steps():
+    learn = fit(learner('stochastic'), 1)
+    mp = learn.mixed_precision
+    assert mp.lean_steps == 3 and mp.state_dict()['lean_steps'] == 3
+    mp2 = MixedPrecision(masters='stochastic'); mp2.load_state_dict(mp.state_dict())
+    assert mp2.state_dict() == mp.state_dict()
+
+@pytest.mark.parametrize('cls', ['avx2', 'amx'])
+def test_any_cpu_class(cls):
+    "bf16 storage with fp32 math (an AVX2 CPU) or native bf16 (AMX): lean masters as fp32 masters, in either plan"
+    with assume_capabilities(cpu_caps(cls)):
+        a, b = fit(learner()), fit(learner('split'))
+    assert b.seen.dtypes == {torch.bfloat16, torch.float32}
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
