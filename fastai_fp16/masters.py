@@ -129,7 +129,7 @@ class LeanMasters:
                 p.data = self._value(p, st, pop=True)
                 self._states(p, st, torch.float32)
                 if grads and g is not None: p.grad = g.float()
-        ps, self.ps, self.ids = self.ps, [], set()
+        ps, self.ps, self.ids, self.opt, self.gen = self.ps, [], set(), None, None
         return ps
 
     @contextmanager
@@ -249,7 +249,7 @@ def _lean_for(mp, r)->LeanMasters:
     learn = mp.learn
     if learn.opt is None: learn.create_opt()
     ps = list({id(t): t for _,_,t in r.mth._pick(learn.model)[0] if isinstance(t, torch.nn.Parameter)}.values())
-    return LeanMasters(mp.masters, mp.opt_states, steps=mp.lean_steps).begin(learn.opt, ps)
+    return mp.lean.begin(learn.opt, ps)  # `mp`'s own, kept over fits with its step count
 
 def _step_lean(run, opt, dev:torch.device, asked:bool|None, master_weights:bool=True):
     "`run` steps `opt` (the fit's, or a new one) through its `LeanMasters`, fastai's `Adam` in the fused kernel where it can"

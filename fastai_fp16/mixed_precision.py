@@ -15,14 +15,14 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
-from .scaler import _scaler_for
+from .scaler import _scaler_for, _count_skip
 from .buffer_guard import BufferGuard
 from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
 from .window import _gan, _cast_io, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
-from .masters import check_masters, _lean_for, _step_lean
+from .masters import LeanMasters, check_masters, _lean_for, _step_lean
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -78,7 +78,7 @@ class MixedPrecision(Callback):
         if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
         check_masters(masters, opt_states, master_weights=master_weights)
         store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step,masters,opt_states')
-        self.lean_steps = 0  # lean masters' steps over fits (stochastic rounding's random bits go on from it)
+        self.lean = LeanMasters(masters, opt_states) if masters != 'fp32' else None  # kept over fits: its step count too
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
         self.scales = L()
 
@@ -94,9 +94,7 @@ class MixedPrecision(Callback):
 
     @property
     def loss_scale(self)->float: return self.scaler.scale
-    def state_dict(self)->dict:
-        lean = getattr(self._run, 'lean', None)
-        return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': lean.steps if lean else self.lean_steps}
+    def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': getattr(self.lean, 'steps', 0)}
     def _checked_state(self, sd:dict)->tuple:
         "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
         dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16)}, sd.get('dtype') if isinstance(sd, dict) else None
@@ -107,8 +105,7 @@ class MixedPrecision(Callback):
         "Restore what `state_dict` returned (or a bare `LossScaler` state); a refused one leaves this as it was"
         st, dt = self._checked_state(sd)
         self.scaler.load_state_dict(st); self._scaler_dtype = dt
-        self.lean_steps = sd.get('lean_steps', 0) if isinstance(sd, dict) else 0
-        if getattr(self._run, 'lean', None): self._run.lean.steps = self.lean_steps
+        if self.lean and isinstance(sd, dict): self.lean.steps = sd.get('lean_steps', 0)  # stochastic rounding's draws go on
 
     def _check(self):
         _check_setup(self.learn)
@@ -264,7 +261,7 @@ class MixedPrecision(Callback):
         overflow, bad_loss = fi.tolist()  # our one host sync of the step
         old = self.loss_scale
         if overflow or bad_loss:
-            self._count_skip(bool(bad_loss))
+            _count_skip(self, bool(bad_loss))
             if r.guard is not None: r.guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
             finally: self._refresh_inv_scale(old)
@@ -282,18 +279,6 @@ class MixedPrecision(Callback):
         key = [(id(pg), len(pg)) for pg in pls]
         if key != r.pkey: r.pkey, r.ps = key, list({id(p): p for pg in pls for p in pg}.values())
         return r.ps
-
-    def _count_skip(self, bad_loss:bool):
-        "Count a skipped step by its cause; a non-finite loss is said once a fit (the loss scale's overflows are its search)"
-        self.skipped += 1
-        if not bad_loss: self.skipped_overflow += 1; return
-        self.skipped_bad_loss += 1
-        r = self._run
-        if r.said: return
-        r.said = True
-        warnings.warn(f"fastai_fp16: the loss was inf or NaN at epoch {self.epoch}, batch {self.iter}: that step was skipped "
-                      "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
-                      "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", stacklevel=2)
 
     def _refresh_inv_scale(self, old):
         if self.loss_scale != old: self._run.inv_scale.fill_(1./self.loss_scale)
@@ -317,5 +302,5 @@ class MixedPrecision(Callback):
             self._land()
             if r.rest is not None: r.rest.stop()
             if getattr(r, 'fused', False) or r.lean: unuse_fused_adam(r.opt)
-            if r.lean: self.lean_steps = r.lean.steps; r.lean.end()  # each param fp32 again, its exact value
+            if r.lean: r.lean.end()  # each param fp32 again, its exact value
         for a in self._stateattrs: self.__dict__.pop(a, None)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_scaler.ipynb #4a45fa6e
 from __future__ import annotations
-import math, numbers
+import math, numbers, warnings
 import torch
 
 # %% auto #0
@@ -132,3 +132,16 @@ def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
     if kw.get('init_scale') is None: kw['init_scale'] = 1. if bf else 2.**16
     if kw.get('dynamic') is None: kw['dynamic'] = not bf
     return LossScaler(**kw)
+
+def _count_skip(mp, # the `MixedPrecision` whose step was skipped
+                bad_loss:bool): # skipped for a non-finite loss (else a grad overflow)
+    "Count a skipped step by its cause; a non-finite loss is said once a fit (the loss scale's overflows are its search)"
+    mp.skipped += 1
+    if not bad_loss: mp.skipped_overflow += 1; return
+    mp.skipped_bad_loss += 1
+    r = mp._run
+    if r.said: return
+    r.said = True
+    warnings.warn(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
+                  "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
+                  "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", stacklevel=3)

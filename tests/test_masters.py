@@ -161,7 +161,7 @@ def test_bf16_states():
 def test_scaler_state_round_trips_lean_steps():
     learn = fit(learner('stochastic'), 1)
     mp = learn.mixed_precision
-    assert mp.lean_steps == 3 and mp.state_dict()['lean_steps'] == 3
+    assert mp.lean.steps == 3 and mp.state_dict()['lean_steps'] == 3
     mp2 = MixedPrecision(masters='stochastic'); mp2.load_state_dict(mp.state_dict())
     assert mp2.state_dict() == mp.state_dict()
 
