@@ -108,7 +108,8 @@ class LeanMasters:
         "Each param bf16 at rest, one at a time (fp32 out as bf16 and its bits come in: memory never holds a model's worth of both)"
         _refuse(opt, self.mode)
         held = {id(p) for pg in opt.param_lists for p in pg}
-        self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32]
+        # kahan and stochastic hold fewer bits than fp32: a frozen param (`freeze`) would only lose its own; it stays fp32
+        self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32 and (p.requires_grad or self.mode == 'split')]
         self.ids = {id(p) for p in self.ps}
         with torch.no_grad():
             for p in self.ps:

@@ -172,3 +172,50 @@ def test_any_cpu_class(cls):
         a, b = fit(learner()), fit(learner('split'))
     assert b.seen.dtypes == {torch.bfloat16, torch.float32}
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+def test_export_or_load_mid_ddp_fit_refused(tmp_path):
+    "Mid-fit under DDP the params must keep their dtype (DDP hooks their grads): export/load there say what to do instead"
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/pg', rank=0, world_size=1)
+    try:
+        class WrapThenExport(Callback):
+            order = 12
+            def before_fit(self): self.learn.model = DistributedDataParallel(self.learn.model)  # as DistributedTrainer (11) does
+            def after_batch(self):
+                if self.training and self.iter == 1: self.learn.export(tmp_path/'x.pkl')
+        learn = learner('split', cbs=[WrapThenExport()])
+        with pytest.raises(ValueError, match=r"`learn.export` in a DDP fit with masters='split'.*after the fit"): fit(learn)
+        learn.model = learn.model.module
+        assert {p.dtype for p in learn.model.parameters()} == {torch.float32} and no_bits(learn)
+    finally: dist.destroy_process_group()
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_lr_find_and_fine_tune(masters):
+    "lr_find leaves the model and optimizer as it found them; fine_tune's frozen epoch leaves the body bit for bit, then trains it"
+    import fastai.callback.schedule
+    from fastai.torch_core import params as ps_of
+    class Body(Callback):
+        order = 70
+        def before_fit(self): self.w = [p.detach().float().clone() for p in self.model[0].parameters()]
+        def after_fit(self): self.moved = not all(torch.equal(p, w) for p, w in zip(self.model[0].parameters(), self.w))
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), splitter=lambda m: [ps_of(m[0]), ps_of(m[1:])], cbs=[Body()])
+    learn.to_half('bf16', masters=masters)
+    w = params(learn)
+    with learn.no_bar(), learn.no_logging():
+        learn.lr_find(num_it=5, show_plot=False)
+        assert all(p.dtype == torch.float32 for p in learn.model.parameters()) and no_bits(learn)
+        # split: as it found them; kahan and stochastic hold a trained param in fewer bits from the fit's start (~16, or bf16's 8)
+        tol = dict(split=0, kahan=2**-15, stochastic=2**-8)[masters]
+        assert all(((p - q).abs() <= tol * q.abs()).all() for p, q in zip(learn.model.parameters(), w))
+        learn.fine_tune(1, 1e-2, freeze_epochs=1)
+    assert learn.body.moved  # unfrozen: trained
+    assert {p.dtype for p in learn.model.parameters()} == {torch.float32}
+
+def test_frozen_body_stays_exact():
+    from fastai.torch_core import params as ps_of
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), splitter=lambda m: [ps_of(m[0]), ps_of(m[1:])]).to_half('bf16', masters='stochastic')
+    learn.freeze(); w = params(learn)
+    fit(learn, 1)
+    assert all(torch.equal(p, q) for p, q in zip(learn.model[0].parameters(), w[:2]))  # frozen: its fp32 values, not rounded
+    assert not all(torch.equal(p, q) for p, q in zip(list(learn.model.parameters())[2:], w[2:]))
