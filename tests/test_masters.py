@@ -219,3 +219,21 @@ def test_frozen_body_stays_exact():
     fit(learn, 1)
     assert all(torch.equal(p, q) for p, q in zip(learn.model[0].parameters(), w[:2]))  # frozen: its fp32 values, not rounded
     assert not all(torch.equal(p, q) for p, q in zip(list(learn.model.parameters())[2:], w[2:]))
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_load_mid_fit_goes_on_lean_from_the_loaded_weights(masters, tmp_path):
+    src = fit(learner()); src.path = tmp_path; src.save('w', with_opt=True)  # an fp32-masters checkpoint
+    saved = params(src)
+    class LoadAt(Callback):
+        order = 70
+        def after_epoch(self):
+            if self.epoch == 0:
+                self.learn.load('w', with_opt=True)
+                lean = self.learn.mixed_precision._run.lean
+                self.seen = ([lean.master(p).clone() for p in self.model.parameters()], {p.dtype for p in self.model.parameters()})
+    learn = learner(masters, cbs=[LoadAt()]); learn.path = tmp_path
+    fit(learn, 2)
+    vals, dts = learn.load_at.seen
+    assert dts == {torch.bfloat16, torch.float32}  # lean again after the load
+    if masters == 'split': assert all(torch.equal(v, s) for v, s in zip(vals, saved))
+    assert learn.seen.masters[-1] and not all(torch.equal(v, s) for v, s in zip(learn.seen.masters[-1], saved))  # then trained on
