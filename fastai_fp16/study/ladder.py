@@ -26,8 +26,9 @@ import fastai_fp16.learner  # patches Learner.to_half
 
 # %% auto #0
 __all__ = ['archs', 'RECIPES', 'soft_cap', 'capped_loss', 'small_cnn', 'tf_cnn', 'recipe', 'fp32', 'fp16_pure', 'fp16_bn32',
-           'fp16_loss32', 'fp16_static_nomaster', 'fp16_master', 'bf16_master', 'fastai_native', 'nvidia_static128',
-           'nvidia_tf_cnn', 'cudnn_state', 'run_recipe', 'compare', 'recipe_style', 'plot_losses', 'plot_loss_scale']
+           'fp16_loss32', 'fp16_static_nomaster', 'fp16_master', 'bf16_nomaster', 'bf16_master', 'bf16_split',
+           'bf16_kahan', 'bf16_stochastic', 'fastai_native', 'nvidia_static128', 'nvidia_tf_cnn', 'cudnn_state',
+           'run_recipe', 'compare', 'recipe_style', 'plot_losses', 'plot_loss_scale']
 
 # %% ../../nbs/study/12_ladder.ipynb #455ebef4
 def soft_cap(x:torch.Tensor, # loss (or any tensor)
@@ -78,6 +79,7 @@ def _half(learn, dtype=torch.float16, bn_fp32=True, **kw): return learn.to_half(
 
 _static = dict(dynamic=False)
 _pure = dict(autocast=False)  # the study's rungs as `model.half()` ran them: every op in fp16, no per-op policy
+_bf16 = partial(_half, dtype=torch.bfloat16, init_scale=1, **_static)
 @recipe
 def fp32(learn): "Baseline: everything fp32"; return learn
 @recipe
@@ -101,9 +103,18 @@ def fp16_master(learn):
     "Full mixed precision: dynamic loss scale, fp32 masters, fp32 BatchNorm and loss"
     return _half(learn)
 @recipe
+def bf16_nomaster(learn): "bf16 model stepped in bf16: no fp32 masters (as the fp16 no-master rungs), no loss scale"; return _bf16(learn, master_weights=False)
+@recipe
 def bf16_master(learn):
     "bf16 model, fp32 masters and BatchNorm; bf16 has fp32's range, so no loss scale"
     return _half(learn, torch.bfloat16, init_scale=1, **_static)
+# bf16_master with its fp32 masters in 2 bytes a param, or none (`to_half`'s `masters`)
+@recipe
+def bf16_split(learn): "+ split masters: bf16 params, their low 16 bits in the optimizer state (fp32 updates, exactly)"; return _bf16(learn, masters='split')
+@recipe
+def bf16_kahan(learn): "+ Kahan masters: bf16 params and a bf16 compensation (about 16 bits of mantissa)"; return _bf16(learn, masters='kahan')
+@recipe
+def bf16_stochastic(learn): "+ stochastic rounding: bf16 params only, each update rounded up or down at random"; return _bf16(learn, masters='stochastic')
 @recipe
 def fastai_native(learn):
     "fastai's own `to_fp16()`: autocast and torch's GradScaler (CUDA only)"
