@@ -64,32 +64,28 @@ def _like(t, p):
 
 def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) over fp32 params
                     kind:str='adamw', # what `fastai_adam_kind(opt)` returned
-                    ps:list|None=None, # only these of its params (`LeanMasters` steps a chunk at a time); None: all
-                    wide:dict|None=None, # fp32 stand-ins of bf16 params, by the param's `id` (`LeanMasters`)
+                    items:list|None=None, # (fp32 tensor, its state, its group's index) to step instead (`LeanMasters`'s pieces); None: `opt`'s params
                    ):
     "One step of fastai's `Adam` on `opt`'s params that have grads, in torch's fused kernel, state in fastai's format"
-    only = None if ps is None else {id(p) for p in ps}
+    if items is None:  # as fastai's `all_params(with_grad=True)`
+        items = [(p, opt.state[p], i) for i,pg in enumerate(opt.param_lists) for p in pg if p.grad is not None]
     fused = torch._fused_adamw_ if kind == 'adamw' else torch._fused_adam_  # decoupled weight decay, or L2
-    for pg, hyper in zip(opt.param_lists, opt.hypers):
-        buckets = {}
-        for p in pg:
-            if p.grad is None or (only is not None and id(p) not in only): continue  # as fastai's `all_params(with_grad=True)`
-            st = opt.state[p]
-            if wide: p = wide.get(id(p), p)  # a lean param's fp32 value and grad, stepped in its place
-            # a state saved in another memory format (resumed with channels_last): made like its param once, else the
-            # CUDA kernel refuses it and the CPU one misreads it
-            for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
-            st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
-            wd = float(hyper['wd']) if st.get('do_wd', True) else 0.
-            buckets.setdefault((st['step'], wd, p.device), []).append((p, st))
-        for (step, wd, dev), pss in buckets.items():
-            ps, sts = [p for p,_ in pss], [s for _,s in pss]
-            with torch.no_grad():
-                fused(ps, [_like(p.grad, p) for p in ps], [s['grad_avg'] for s in sts], [s['sqr_avg'] for s in sts], [],
-                      # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
-                      [torch.full((), float(step), dtype=torch.float32, device=dev)]*len(ps), lr=float(hyper['lr']),
-                      beta1=float(hyper['mom']), beta2=float(hyper['sqr_mom']), weight_decay=wd, eps=float(hyper['eps']),
-                      amsgrad=False, maximize=False)
+    buckets = {}
+    for p, st, i in items:
+        # a state saved in another memory format (resumed with channels_last): made like its param once, else the
+        # CUDA kernel refuses it and the CPU one misreads it
+        for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
+        st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
+        wd = float(opt.hypers[i]['wd']) if st.get('do_wd', True) else 0.
+        buckets.setdefault((i, st['step'], wd, p.device), []).append((p, st))
+    for (i, step, wd, dev), pss in buckets.items():
+        ps, sts, hyper = [p for p,_ in pss], [s for _,s in pss], opt.hypers[i]
+        with torch.no_grad():
+            fused(ps, [_like(p.grad, p) for p in ps], [s['grad_avg'] for s in sts], [s['sqr_avg'] for s in sts], [],
+                  # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
+                  [torch.full((), float(step), dtype=torch.float32, device=dev)]*len(ps), lr=float(hyper['lr']),
+                  beta1=float(hyper['mom']), beta2=float(hyper['sqr_mom']), weight_decay=wd, eps=float(hyper['eps']),
+                  amsgrad=False, maximize=False)
 
 # %% ../nbs/09a_fused_adam.ipynb #f4a5c16d
 def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params, or a wrapper of one (`Lookahead`)

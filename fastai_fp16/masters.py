@@ -7,35 +7,49 @@ from __future__ import annotations
 from contextlib import contextmanager
 import torch, torch.nn as nn
 import torch.distributed as dist
-from fastai.optimizer import Optimizer, OptimWrapper, _update
 from fastcore.basics import patch
-from .fused_adam import fused_adam_step, fastai_adam_kind, unuse_fused_adam, _fused_step_ok
+from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
+from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, _per_element
 
 # %% auto #0
-__all__ = ['masters_modes', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters', 'LeanMasters', 'use_lean_masters',
-           'without_bits']
+__all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
+           'LeanMasters', 'use_lean_masters', 'without_bits']
 
 # %% ../nbs/09b_masters.ipynb #0b5b50cd
-def split_fp32(x:torch.Tensor, # fp32
-              )->tuple:
-    "(hi, lo): `x` rounded to bf16 (half away from zero), and the low 16 bits it drops (int16); `join_fp32` gives `x` back, bit for bit"
+def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
+               hi:torch.Tensor, # bf16, shaped as `x`: gets `x` rounded (half away from zero)
+               lo:torch.Tensor, # int16, shaped as `x`: gets the low 16 bits that `hi` drops
+              ):
+    "`x` split into `hi` and `lo` in place, no temporaries; `join_into` gives `x` back, bit for bit"
     xi = x.view(torch.int32)
+    lo.copy_(xi)  # a narrowing integer cast keeps the low 16 bits
     # adding half of the dropped range to the bit pattern rounds the magnitude; the low bits, read signed, are what is
     # left over either way: hi*2**16 + lo is x's pattern exactly
-    return ((xi + 0x8000) >> 16).to(torch.int16).view(torch.bfloat16), (xi & 0xFFFF).to(torch.int16)
+    hi.view(torch.int16).copy_(xi.add_(0x8000).bitwise_right_shift_(16))
 
-def join_fp32(hi:torch.Tensor, # bf16, from `split_fp32`
-              lo:torch.Tensor, # int16, from `split_fp32`
-             )->torch.Tensor:
+def join_into(hi:torch.Tensor, lo:torch.Tensor, # from `split_into`
+              out:torch.Tensor)->torch.Tensor: # fp32, shaped as `hi`
+    "The fp32 value that `hi` and `lo` hold, written into `out` (and returned)"
+    out.view(torch.int32).copy_(hi.view(torch.int16)).bitwise_left_shift_(16).add_(lo)
+    return out
+
+def split_fp32(x:torch.Tensor)->tuple: # fp32
+    "(hi, lo): `x` rounded to bf16 (half away from zero), and the low 16 bits it drops (int16); `join_fp32` gives `x` back"
+    hi, lo = torch.empty_like(x, dtype=torch.bfloat16), torch.empty_like(x, dtype=torch.int16)
+    split_into(x.clone(), hi, lo)
+    return hi, lo
+
+def join_fp32(hi:torch.Tensor, lo:torch.Tensor)->torch.Tensor: # from `split_fp32`
     "The fp32 tensor that `split_fp32` split into `hi` and `lo`"
-    return ((hi.view(torch.int16).to(torch.int32) << 16) + lo).view(torch.float32)
+    return join_into(hi, lo, torch.empty_like(hi, dtype=torch.float32))
 
 def round_stochastic(x:torch.Tensor, # fp32
                      gen:torch.Generator|None=None, # the random bits' generator (on `x`'s device)
+                     rand:torch.Tensor|None=None, # int32 memory shaped as `x` for the random bits (else new)
                     )->torch.Tensor:
     "`x` in bf16, rounded up or down at random, with the probability of each its nearness: unbiased, `E[round(x)] = x`"
-    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=gen)
-    return ((x.view(torch.int32) + r) >> 16).to(torch.int16).view(torch.bfloat16)
+    r = (torch.empty_like(x, dtype=torch.int32) if rand is None else rand).random_(0, 1 << 16, generator=gen)
+    return r.add_(x.view(torch.int32)).bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16)
 
 # %% ../nbs/09b_masters.ipynb #9d6e942a
 masters_modes = ('fp32', 'split', 'kahan', 'stochastic')
@@ -55,24 +69,16 @@ def check_masters(masters:str, # how the fp32 masters are kept: one of `masters_
         raise ValueError(f"masters={masters!r} is for bf16: fp16's narrow range needs the loss scale and full fp32 masters. "
                          f"Use `to_half('bf16', masters={masters!r})`, or fp16 with masters='fp32' (the default).")
 
-def _kind(opt)->str|None:
-    "'fastai' for a fastai `Optimizer` made of steppers, 'torch' for a torch optimizer in an `OptimWrapper`, else None"
-    return 'fastai' if type(opt) is Optimizer else 'torch' if isinstance(opt, OptimWrapper) else None
-
 def _refuse(opt, masters):
-    if _kind(opt) is None: raise ValueError(
+    if opt_kind(opt) is None: raise ValueError(
         f"masters={masters!r} steps fastai's optimizers made of steppers (`Adam`, `SGD`, `RAdam`, `Lamb`, `QHAdam`, `Larc`) "
         f"and torch's through `OptimWrapper`, a few params at a time in fp32; this one is a {type(opt).__name__} with a step "
         "of its own (`Lookahead` keeps copies of the weights). Use masters='fp32' (the default) with it.")
 
 # %% ../nbs/09b_masters.ipynb #3c58b38f
-def _state_like(k, v, p)->bool:
-    "Whether state `k` is a per-element average of `p` (Adam's `grad_avg`, torch's `exp_avg`...), not a count or our bits"
-    return isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and k != 'step' and k not in _key.values()
-
 class LeanMasters:
-    "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value in the optimizer's state; the optimizer steps fp32 values, a few params at a time"
-    chunk = 1 << 20  # elements widened to fp32 at once, where the step takes a list (torch's optimizers, the fused Adam)
+    "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value in the optimizer's state; the optimizer steps fp32 values, a chunk at a time"
+    chunk = None  # elements widened to fp32 at once; None: a 64th of the lean params (at least 2**18), a big param in slices where it can
     def __init__(self,
         mode:str, # 'split', 'kahan' or 'stochastic' (see `masters_modes`)
         opt_states:str='fp32', # the optimizer's averages at rest: 'fp32', or 'bf16' (widened for each step)
@@ -81,28 +87,33 @@ class LeanMasters:
     ):
         check_masters(mode, opt_states)
         self.mode, self.opt_states, self.seed, self.steps = mode, opt_states, seed, steps
-        self.ps, self.ids, self.opt, self.gen, self.fused = [], set(), None, None, None
+        self.ps, self.ids, self.opt, self.gen, self.fused, self.ws = [], set(), None, None, None, None
 
-    def _value(self, p, st, pop:bool=False)->torch.Tensor:
-        "`p`'s fp32 value (new), from its bf16 and the bits kept in `st` (taken out of it with `pop`)"
-        k = _key.get(self.mode)
-        x = (st.pop if pop else st.get)(k, None) if k else None
-        if x is None: return p.data.float()  # stochastic (or no bits kept: the bf16 value is all there is)
-        return join_fp32(p.data, x) if self.mode == 'split' else p.data.float().add_(x)
+    def _bits(self, p, pop:bool=False)->torch.Tensor|None:
+        "What `p` keeps beside its bf16 (split's low bits, Kahan's compensation) in the optimizer's state; None for stochastic"
+        k, st = _key.get(self.mode), self.opt.state[p]
+        return (st.pop if pop else st.get)(k, None) if k else None
 
-    def _put(self, p, st, x, exact:bool=True):
-        "fp32 value `x` into bf16 param `p` in place (its tensor, its grad's hooks kept), what bf16 drops kept in `st`; `x` is used up"
-        d = p.detach()
-        if self.mode == 'split': hi, st['master_lo'] = split_fp32(x); d.copy_(hi)
-        elif self.mode == 'kahan': d.copy_(x); st['kahan_comp'] = x.sub_(d).to(torch.bfloat16)  # what bf16 dropped, added back next step
-        else: d.copy_(x if exact else round_stochastic(x, self.gen))  # `exact`: a value not stepped stays as near as it can
+    def _widen(self, h, bits, out:torch.Tensor)->torch.Tensor:
+        "The fp32 value of bf16 `h` and its `bits`, written into `out`"
+        if self.mode == 'split' and bits is not None: return join_into(h, bits, out)
+        out.copy_(h)
+        return out if bits is None else out.add_(bits)
 
-    def _states(self, p, st, dt):
-        "`p`'s averages in `st` made `dt`: fp32 for a step, bf16 after it with `opt_states='bf16'`"
+    def _narrow(self, x, h, bits, rand=None):
+        "fp32 `x` into bf16 `h` and its `bits`, in place; `x` is used up. `rand`: int32 memory for stochastic rounding's bits"
+        if self.mode == 'split': split_into(x, h, bits)
+        elif self.mode == 'kahan': h.copy_(x); bits.copy_(x.sub_(h))  # what bf16 dropped, added back next step
+        elif rand is None: h.copy_(x)  # a value not stepped stays as near as it can
+        else: h.copy_(round_stochastic(x, self.gen, rand))
+
+    def _states(self, p, dt):
+        "`p`'s averages made `dt` (bf16 at rest with `opt_states='bf16'`, fp32 after the fit)"
+        st = opt_state(self.opt)[p]
         for k,v in list(st.items()):
-            if _state_like(k, v, p) and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
+            if _per_element(k, v, p) and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
 
-    def begin(self, opt, # the fit's optimizer (see `_kind`)
+    def begin(self, opt, # the fit's optimizer (see `opt_kind`)
               params:list, # the model's fp32 params computed in half: those `opt` holds become lean
               grads:bool=False): # their grads made bf16 (else dropped)
         "Each param bf16 at rest, one at a time (fp32 out as bf16 and its bits come in: memory never holds a model's worth of both)"
@@ -110,13 +121,15 @@ class LeanMasters:
         held = {id(p) for pg in opt.param_lists for p in pg}
         # kahan and stochastic hold fewer bits than fp32: a frozen param (`freeze`) would only lose its own; it stays fp32
         self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32 and (p.requires_grad or self.mode == 'split')]
-        self.ids = {id(p) for p in self.ps}
+        self.ids, self.ws, k = {id(p) for p in self.ps}, Workspace(), _key.get(self.mode)
         with torch.no_grad():
             for p in self.ps:
-                g, p.grad, x, st = p.grad, None, p.data, opt.state[p]
-                p.data = torch.empty_like(x, dtype=torch.bfloat16)
-                self._put(p, st, x)
-                if self.opt_states == 'bf16': self._states(p, st, torch.bfloat16)
+                g, p.grad, x = p.grad, None, p.data
+                h, bits = torch.empty_like(x, dtype=torch.bfloat16), None
+                if k: bits = opt.state[p][k] = torch.empty_like(x, dtype=torch.int16 if self.mode == 'split' else torch.bfloat16)
+                self._narrow(x.clone(), h, bits)  # a copy: the tensor the model had keeps its value (another may hold it)
+                p.data = h
+                if self.opt_states == 'bf16': self._states(p, torch.bfloat16)
                 if grads and g is not None: p.grad = g.to(torch.bfloat16)
         return self
 
@@ -126,11 +139,11 @@ class LeanMasters:
         with torch.no_grad():
             for p in self.ps:
                 if p.dtype != torch.bfloat16: continue
-                g, p.grad, st = p.grad, None, self.opt.state[p]
-                p.data = self._value(p, st, pop=True)
-                self._states(p, st, torch.float32)
+                g, p.grad = p.grad, None
+                p.data = self._widen(p.data, self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
+                self._states(p, torch.float32)
                 if grads and g is not None: p.grad = g.float()
-        ps, self.ps, self.ids, self.opt, self.gen = self.ps, [], set(), None, None
+        ps, self.ps, self.ids, self.opt, self.gen, self.ws = self.ps, [], set(), None, None, None
         return ps
 
     @contextmanager
@@ -155,49 +168,43 @@ class LeanMasters:
 
     def master(self, p)->torch.Tensor:
         "`p`'s fp32 master value: a new tensor where `p` is lean, `p` itself where it is not"
-        return self._value(p, self.opt.state[p]) if id(p) in self.ids and p.dtype == torch.bfloat16 else p
+        if id(p) not in self.ids or p.dtype != torch.bfloat16: return p
+        return self._widen(p.data, self._bits(p), torch.empty_like(p, dtype=torch.float32))
 
     def broadcast(self, src:int=0):
         "Rank `src`'s bits on every rank: DDP broadcasts the params, not these, and ranks seeded apart made their own"
-        k = _key.get(self.mode)
-        for p in self.ps if k else ():
-            t = self.opt.state[p].get(k)
+        for p in self.ps:
+            t = self._bits(p)
             if t is not None: dist.broadcast(t.view(torch.bfloat16), src)  # raw bits: no backend arithmetic on them
 
 # %% ../nbs/09b_masters.ipynb #22ee43e0
 @patch
-def _chunks(self:LeanMasters, opt, one:bool)->list:
-    "The params `opt` steps (those with a grad), with their groups' indices, in lists of at most `chunk` elements (`one`: a param each)"
-    res, cur, n = [], [], 0
-    for i,pg in enumerate(opt.param_lists):
-        for p in pg:
-            if p.grad is None: continue
-            if cur and (one or n + p.numel() > self.chunk): res.append(cur); cur, n = [], 0
-            cur.append((p, i)); n += p.numel()
-    return res + ([cur] if cur else [])
+def _sliceable(self:LeanMasters, p)->bool:
+    "Whether lean param `p` can step in slices (the optimizer's update being elementwise): its tensors are contiguous, a flat slice a view"
+    ts = [p, p.grad, self._bits(p)] + [v for k,v in opt_state(self.opt)[p].items() if _per_element(k, v, p)]
+    return all(t is None or t.is_contiguous() for t in ts)
 
 @patch
-def _step_chunk(self:LeanMasters, opt, chunk:list, wide:dict):
-    "`opt`'s own update on the params of `chunk` and no others, a lean param's fp32 stand-in (`wide`) in its place"
-    if self.fused: fused_adam_step(opt, self.fused, [p for p,_ in chunk], wide); return
-    if _kind(opt) == 'fastai':  # fastai's `Optimizer.step`, on these params
-        for p,i in chunk:
-            state, q = opt.state[p], wide.get(id(p), p)
-            for cb in opt.cbs: state = _update(state, cb(q, **{**state, **opt.hypers[i]}))
-            opt.state[p] = state
-        return
-    groups, state = opt.opt.param_groups, opt.opt.state  # a torch optimizer: its groups hold this chunk alone for one `step`
-    saved, qs = [g['params'] for g in groups], [(p, wide.get(id(p), p)) for p,_ in chunk]
-    try:
-        for g in groups: g['params'] = []
-        for (_,i),(p,q) in zip(chunk, qs):
-            groups[i]['params'].append(q)
-            if q is not p and p in state: state[q] = state.pop(p)  # its state under its stand-in
-        opt.opt.step()
-    finally:
-        for p,q in qs:
-            if q is not p and q in state: state[p] = state.pop(q)
-        for g,ps in zip(groups, saved): g['params'] = ps
+def _widen_piece(self:LeanMasters, pc, st:dict):
+    "`pc`'s fp32 stand-in `q` (and its grad) in the workspace, and the state it steps with, from its param's state `st` as the step found it"
+    p, ws = pc.p, self.ws
+    if id(p) not in self.ids: pc.q, pc.st = p, st; return  # an fp32 param (BatchNorm's): stepped as it is, in its own state
+    shape = p.shape if pc.a is None else (pc.numel,)
+    bits = self._bits(p)
+    pc.q = nn.Parameter(self._widen(pc.of(p.data), None if bits is None else pc.of(bits), ws.take(pc.numel, p).view(shape)))
+    pc.q.grad = ws.take(pc.numel, p).view(shape).copy_(pc.of(p.grad))
+    pc.st = piece_state(pc, st, ws)
+
+@patch
+def _narrow_piece(self:LeanMasters, pc):
+    "`pc`'s stand-in back into its bf16 param and bits, in place, and its state into its param's"
+    p, sts = pc.p, opt_state(self.opt)
+    if pc.q is None: return  # not widened: the step raised before it
+    if pc.q is p: sts[p] = pc.st; return  # torch's `step` took it out of its state
+    bits = self._bits(p)
+    rand = self.ws.take(pc.numel, p).view(torch.int32).view(pc.q.shape) if self.mode == 'stochastic' else None
+    self._narrow(pc.q.data, pc.of(p.data), None if bits is None else pc.of(bits), rand)
+    put_state(pc, sts[p], torch.bfloat16 if self.opt_states == 'bf16' else torch.float32, self.ws)
 
 @patch
 def step(self:LeanMasters, opt):
@@ -207,22 +214,19 @@ def step(self:LeanMasters, opt):
         if self.gen is None or self.gen.device != dev: self.gen = torch.Generator(device=dev)
         self.gen.manual_seed((self.seed << 32) + self.steps)  # a resumed run draws what the uninterrupted one would
     self.steps += 1
-    st = opt.state
+    # a step that gives each chunk's memory back and takes it again leaves the heap high: one workspace, reused
+    ew, sts, start = elementwise(opt), opt_state(opt), {}
+    chunk = self.chunk or max(1 << 18, -(-sum(p.numel() for p in self.ps) // 64))
     with torch.no_grad():
-        for chunk in self._chunks(opt, one=not self.fused and _kind(opt) == 'fastai'):
-            wide = {}
-            for p,_ in chunk:
-                if id(p) not in self.ids: continue  # an fp32 param (BatchNorm's): stepped as it is
-                # a stand-in, not `p.data = ...`: a dtype change resets a param's grad accumulator, and DDP's hooks with it
-                q = wide[id(p)] = nn.Parameter(self._value(p, st[p], pop=True))
-                q.grad = p.grad.float()
-                self._states(p, st[p], torch.float32)
-            try: self._step_chunk(opt, chunk, wide)
+        for ch in pieces(opt, chunk, lambda p: ew and id(p) in self.ids and self._sliceable(p)):
+            self.ws.reset(ch[0].p.device)
+            try:
+                for pc in ch:  # every slice of a param steps from its state as this step found it
+                    st = sts[pc.p] if pc.a is None else start.setdefault(id(pc.p), dict(sts[pc.p]))
+                    self._widen_piece(pc, {k: v for k,v in st.items() if k not in _key.values()})
+                step_pieces(opt, ch, self.fused)
             finally:  # put back even if the step raised: no param is left half-way
-                for p,_ in chunk:
-                    if id(p) not in wide: continue
-                    if self.opt_states == 'bf16': self._states(p, st[p], torch.bfloat16)
-                    self._put(p, st[p], wide[id(p)].data, exact=False)
+                for pc in ch: self._narrow_piece(pc)
 
 def use_lean_masters(opt, # the fit's optimizer
                      lean:LeanMasters, # made for it (`begin`)

@@ -1,14 +1,33 @@
 "Two CPU processes on gloo, under torchrun, seeded apart: ranks end bit-identical and skip together, a `PrecisionMonitor` on each"
-import subprocess, sys, os, tempfile, torch, pytest, numpy as np, pandas as pd
+import signal, subprocess, sys, os, tempfile, time, warnings, torch, pytest, numpy as np, pandas as pd
 from pathlib import Path
+
+def _launch(out, dtype, port, masters, limit):
+    "(torchrun's exit code, its output); the code is None where it hung, and the output holds each process's Python stacks"
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'ACCELERATE_USE_CPU': '1', 'PYTHONFAULTHANDLER': '1'}  # accelerate: gloo on CPU
+    args = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
+            str(Path(__file__).parent/'dist_train.py'), str(out), dtype, masters]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try: log = p.communicate(timeout=limit)[0]; return p.returncode, log
+    except subprocess.TimeoutExpired: pass
+    import psutil  # accelerate's
+    procs = psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]  # torchrun starts its workers in sessions of their own
+    for sig in (signal.SIGABRT, signal.SIGKILL):  # faulthandler: each prints its threads' stacks; then all end, their port free again
+        for q in procs:
+            try: q.send_signal(sig)
+            except psutil.NoSuchProcess: pass
+        time.sleep(3)
+    return None, p.communicate()[0]
 
 def _run(dtype, port, masters='fp32'):
     pytest.importorskip('accelerate')
     out = Path(tempfile.mkdtemp())
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'ACCELERATE_USE_CPU': '1'}  # accelerate: gloo on CPU
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
-                        str(Path(__file__).parent/'dist_train.py'), str(out), dtype, masters], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rc, log = _launch(out, dtype, port, masters, 240)  # ~10 s on 2 cores
+    if rc is None:  # seen once in CI (gloo, 2 processes on 2 cores); ran 55 times clean here: once more, and say so
+        warnings.warn(f"dist_train.py {dtype} {masters} hung for 240 s; run again. The processes' stacks:\n{log[-6000:]}")
+        out = Path(tempfile.mkdtemp())
+        rc, log = _launch(out, dtype, port + 100, masters, 240)
+    assert rc == 0, log[-6000:]
     return [torch.load(out/f'rank{i}.pt', weights_only=False) for i in (0, 1)]
 
 @pytest.mark.parametrize('dtype,port', [('fp16', 29533), ('bf16', 29534)])

@@ -237,3 +237,39 @@ def test_load_mid_fit_goes_on_lean_from_the_loaded_weights(masters, tmp_path):
     assert dts == {torch.bfloat16, torch.float32}  # lean again after the load
     if masters == 'split': assert all(torch.equal(v, s) for v, s in zip(vals, saved))
     assert learn.seen.masters[-1] and not all(torch.equal(v, s) for v, s in zip(learn.seen.masters[-1], saved))  # then trained on
+
+def wide_learner(masters='fp32', chunk=None, opt_func=Adam, cbs=(), **kw):
+    "Params of 160 and 80 elements: with `chunk=64` they step in slices (of 64) where the optimizer's update is elementwise"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 40), nn.ReLU(), nn.Linear(40, 2))
+    learn = Learner(synth_dls(n=64), model, loss_func=nn.MSELoss(), opt_func=opt_func, cbs=[Seen(), *cbs]).to_half('bf16', masters=masters, **kw)
+    if learn.mixed_precision.lean: learn.mixed_precision.lean.chunk = chunk
+    return learn
+
+class Fresh(Callback):
+    "The workspace's count of new allocations after each step; whether the step was the fused kernel's"
+    order = 20
+    def before_fit(self): self.counts = []
+    def after_step(self): self.counts.append(self.learn.mixed_precision._run.lean.ws.fresh); self.fused = self.learn.mixed_precision.fused
+
+@pytest.mark.parametrize('masters', LEAN)
+@pytest.mark.parametrize('opt', ['fused_adam', 'adam', 'sgd', 'radam', 'lamb', 'torch_adamw'])
+def test_slices_step_as_the_whole_param(masters, opt):
+    "A param stepped in slices ends bit for bit where it ends stepped whole (the fused kernel, fastai's steppers, torch's); Lamb is never sliced"
+    opt_func = dict(fused_adam=Adam, adam=Adam, sgd=partial(SGD, mom=0.9), radam=RAdam, lamb=Lamb, torch_adamw=partial(OptimWrapper, opt=torch.optim.AdamW))[opt]
+    kw = dict(fused_step=False) if opt == 'adam' else {}
+    whole, sliced = fit(wide_learner(masters, None, opt_func, **kw), 2), fit(wide_learner(masters, 64, opt_func, cbs=[Fresh()], **kw), 2)
+    assert sliced.fresh.fused == (opt == 'fused_adam')
+    assert all(torch.equal(p, q) for p, q in zip(whole.model.parameters(), sliced.model.parameters()))
+    assert all(torch.equal(x, y) for ms, ns in zip(whole.seen.masters, sliced.seen.masters) for x, y in zip(ms, ns))  # every step
+    assert not all(torch.equal(p, q) for p, q in zip(whole.model.parameters(), wide_learner().model.parameters()))  # they moved
+    c = sliced.fresh.counts
+    assert c[0] > 0 and c[-1] == c[0], c  # the first step sizes the workspace; after it a step takes no new memory
+
+def test_slices_with_bf16_states_and_fp32_masters():
+    "bf16 states widened a slice at a time: the whole param's end; split with slices steps as fp32 masters"
+    a, b = fit(wide_learner('split', None, opt_states='bf16'), 2), fit(wide_learner('split', 64, opt_states='bf16'), 2)
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+    ref, c = fit(wide_learner(), 2), fit(wide_learner('split', 64), 2)
+    ea = [torch.equal(x, y) for ms, ns in zip(ref.seen.masters, c.seen.masters) for x, y in zip(ms, ns)]
+    assert sum(ea) >= len(ea) // 2, ea  # bf16 forwards round ties apart (see test_split_steps_as_fp32_masters): most steps equal
