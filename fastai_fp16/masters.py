@@ -226,7 +226,7 @@ def step(self:LeanMasters, opt):
                     self._widen_piece(pc, {k: v for k,v in st.items() if k not in _key.values()})
                 step_pieces(opt, ch, self.fused)
             finally:  # put back even if the step raised: no param is left half-way
-                for pc in ch: self._narrow_piece(pc)
+                for pc in ch: self._narrow_piece(pc); pc.q = pc.st = None  # a first step's new slice states go now, not at the step's end
 
 def use_lean_masters(opt, # the fit's optimizer
                      lean:LeanMasters, # made for it (`begin`)
