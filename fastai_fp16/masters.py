@@ -16,6 +16,14 @@ __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32'
            'LeanMasters', 'use_lean_masters', 'without_bits']
 
 # %% ../nbs/09b_masters.ipynb #0b5b50cd
+_block = 1 << 18  # elements: an in-place op on two dtypes widens its operand in a temporary; of a block at most
+
+def _blockwise(f, *ts):
+    "`f` on matching blocks of tensors `ts` (flat views where all are contiguous, else `ts` whole)"
+    if ts[0].numel() > _block and all(t.is_contiguous() for t in ts):
+        for part in zip(*(t.view(-1).split(_block) for t in ts)): f(*part)
+    else: f(*ts)
+
 def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
                hi:torch.Tensor, # bf16, shaped as `x`: gets `x` rounded (half away from zero)
                lo:torch.Tensor, # int16, shaped as `x`: gets the low 16 bits that `hi` drops
@@ -30,7 +38,7 @@ def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
 def join_into(hi:torch.Tensor, lo:torch.Tensor, # from `split_into`
               out:torch.Tensor)->torch.Tensor: # fp32, shaped as `hi`
     "The fp32 value that `hi` and `lo` hold, written into `out` (and returned)"
-    out.view(torch.int32).copy_(hi.view(torch.int16)).bitwise_left_shift_(16).add_(lo)
+    _blockwise(lambda o, h, l: o.copy_(h).bitwise_left_shift_(16).add_(l), out.view(torch.int32), hi.view(torch.int16), lo)
     return out
 
 def split_fp32(x:torch.Tensor)->tuple: # fp32
@@ -46,10 +54,13 @@ def join_fp32(hi:torch.Tensor, lo:torch.Tensor)->torch.Tensor: # from `split_fp3
 def round_stochastic(x:torch.Tensor, # fp32
                      gen:torch.Generator|None=None, # the random bits' generator (on `x`'s device)
                      rand:torch.Tensor|None=None, # int32 memory shaped as `x` for the random bits (else new)
+                     out:torch.Tensor|None=None, # bf16 shaped as `x`, for the result (else new)
                     )->torch.Tensor:
     "`x` in bf16, rounded up or down at random, with the probability of each its nearness: unbiased, `E[round(x)] = x`"
     r = (torch.empty_like(x, dtype=torch.int32) if rand is None else rand).random_(0, 1 << 16, generator=gen)
-    return r.add_(x.view(torch.int32)).bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16)
+    out = torch.empty_like(x, dtype=torch.bfloat16) if out is None else out
+    out.view(torch.int16).copy_(r.add_(x.view(torch.int32)).bitwise_right_shift_(16))
+    return out
 
 # %% ../nbs/09b_masters.ipynb #9d6e942a
 masters_modes = ('fp32', 'split', 'kahan', 'stochastic')
@@ -97,15 +108,17 @@ class LeanMasters:
     def _widen(self, h, bits, out:torch.Tensor)->torch.Tensor:
         "The fp32 value of bf16 `h` and its `bits`, written into `out`"
         if self.mode == 'split' and bits is not None: return join_into(h, bits, out)
-        out.copy_(h)
-        return out if bits is None else out.add_(bits)
+        if bits is None: return out.copy_(h)
+        _blockwise(lambda o, h, b: o.copy_(h).add_(b), out, h, bits)
+        return out
 
     def _narrow(self, x, h, bits, rand=None):
         "fp32 `x` into bf16 `h` and its `bits`, in place; `x` is used up. `rand`: int32 memory for stochastic rounding's bits"
         if self.mode == 'split': split_into(x, h, bits)
-        elif self.mode == 'kahan': h.copy_(x); bits.copy_(x.sub_(h))  # what bf16 dropped, added back next step
+        elif self.mode == 'kahan':  # what bf16 dropped, added back next step
+            h.copy_(x); _blockwise(lambda x, h, b: b.copy_(x.sub_(h)), x, h, bits)
         elif rand is None: h.copy_(x)  # a value not stepped stays as near as it can
-        else: h.copy_(round_stochastic(x, self.gen, rand))
+        else: round_stochastic(x, self.gen, rand, h)
 
     def _states(self, p, dt):
         "`p`'s averages made `dt` (bf16 at rest with `opt_states='bf16'`, fp32 after the fit)"

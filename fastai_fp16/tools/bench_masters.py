@@ -12,7 +12,7 @@ from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 import fastai_fp16.learner  # patches Learner.to_half (and names the package: its path for child processes)
 from ..masters import masters_modes
-from ..study.memory import PeakMemory
+from ..study.memory import PeakMemory, _mem_peak
 from .bench_overhead import SynthDL, SkipValid, StepTimer
 from .bench import machine_info
 from .cli_parser import cli_parser, dashed
@@ -51,14 +51,14 @@ def held_bytes(learn:Learner)->dict:
     return res
 
 class OptTimer(Callback):
-    "Wall and thread CPU ms of each optimizer step (`times`, `thread_times`); after the last, `held_bytes` (`held`) and if it was fused"
+    "Wall and thread CPU ms of each optimizer step (`times`, `thread_times`); after the last, `held_bytes` (`held`), if it was fused, and the memory peak so far (`peak`, MB)"
     order = 100  # last at `before_step`: `MixedPrecision`'s unscale and check are the train step's, not the optimizer's
     def before_train(self): self.times, self.thread_times, self.held, self.fused = [], [], None, False
     def before_step(self): self.t = time.perf_counter(), time.thread_time()
     def after_step(self):
         self.times.append((time.perf_counter() - self.t[0]) * 1e3); self.thread_times.append((time.thread_time() - self.t[1]) * 1e3)
         if self.iter == self.n_iter - 1:
-            self.held, mp = held_bytes(self.learn), getattr(self.learn, 'mixed_precision', None)
+            self.held, mp, self.peak = held_bytes(self.learn), getattr(self.learn, 'mixed_precision', None), _mem_peak(torch.device('cpu'))
             self.fused = bool(mp is not None and mp.fused)
 
 def masters_learner(variant:str, # one of `masters_variants`
@@ -87,12 +87,13 @@ def fit_memory(variant:str, # one of `masters_variants`
                width:int=2048, depth:int=5, bs:int=4, steps:int=5, # the `mlp` and its fit
                fused:bool|None=None, # as `masters_learner` takes it
               )->dict:
-    "One fit's peak memory in this process: the RSS high-water mark above the RSS before the model was made, per param"
+    "One fit's peak memory in this process: the RSS high-water mark above the RSS before the model was made, per param; `in_fit`: at its last step (before `after_fit` makes a lean model fp32 again)"
     _fit(masters_learner(variant, mlp(64, 2), bs, 2, fused))  # the libraries' one-time allocations (kernels...) out of the figure
     with PeakMemory('cpu') as mem: learn = _fit(masters_learner(variant, mlp(width, depth), bs, steps, fused))
     n, ot = sum(p.numel() for p in learn.model.parameters()), learn.opt_timer
     return dict(variant=variant, n_params=n, fused=ot.fused, start_mb=mem.start, peak_mb=mem.peak, extra_mb=mem.extra,
-                bytes_per_param=None if mem.extra is None else mem.extra * 2**20 / n, held={k: v/n for k,v in ot.held.items()})
+                bytes_per_param=None if mem.extra is None else mem.extra * 2**20 / n,
+                in_fit=None if mem.start is None or ot.peak is None else (ot.peak - mem.start) * 2**20 / n, held={k: v/n for k,v in ot.held.items()})
 
 # %% ../../nbs/tools/26_bench_masters.ipynb #b26a0012
 def _rot(xs:list, i:int)->list: return list(xs[i % len(xs):]) + list(xs[:i % len(xs)])  # no variant always first
@@ -130,6 +131,7 @@ def bytes_per_param(variants:tuple=masters_variants, # those of `masters_variant
     for a in allocators:
         g = df[df.allocator == a].groupby('variant').bytes_per_param
         res[a], res[f'{a}_min'], res[f'{a}_max'] = g.median(), g.min(), g.max()
+        res[f'{a}_in_fit'] = df[df.allocator == a].groupby('variant').in_fit.median()
     held = df.groupby('variant').held.first()  # the same in every process: the tensors' sizes
     for k in ('params', 'grads', 'states'): res[f'held_{k}'] = held.map(lambda h: h[k])
     res['held'] = res[['held_params', 'held_grads', 'held_states']].sum(axis=1)
@@ -180,10 +182,10 @@ def masters_markdown(mem:pd.DataFrame|None=None, # from `bytes_per_param`
         out += [f"Bytes a param at the fit's peak: `mlp({a['width']}, {a['depth']})` ({a['n_params']/1e6:.1f}M params), bs {a['bs']}, "
                 f"{a['steps']} steps, fastai's `Adam` ({'its own loop' if a['unfused'] else 'fused where it can'}); RSS high-water "
                 f"mark above the RSS before the model was made, / params; median (min-max) of {a['repeats']} processes each:", '',
-                '| variant | ' + ' | '.join(f'peak, {c} malloc' for c in al) + ' | held at rest: params + grads + states |',
-                '|---|' + '---|'*len(al) + '---|']
+                '| variant | ' + ' | '.join(f'peak, {c} malloc | in the fit, {c}' for c in al) + ' | held at rest: params + grads + states |',
+                '|---|' + '---|---|'*len(al) + '---|']
         for v,r in mem.iterrows():
-            out.append(f"| {v} | " + ' | '.join(f"{r[c]:.2f} ({r[c+'_min']:.2f}-{r[c+'_max']:.2f})" for c in al) +
+            out.append(f"| {v} | " + ' | '.join(f"{r[c]:.2f} ({r[c+'_min']:.2f}-{r[c+'_max']:.2f}) | {_f(r.get(c+'_in_fit'))}" for c in al) +
                        f" | {r['held']:.2f} = {r['held_params']:.0f} + {r['held_grads']:.0f} + {r['held_states']:.0f} |")
         out.append('')
     if speed is not None:
