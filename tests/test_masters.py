@@ -273,3 +273,16 @@ def test_slices_with_bf16_states_and_fp32_masters():
     ref, c = fit(wide_learner(), 2), fit(wide_learner('split', 64), 2)
     ea = [torch.equal(x, y) for ms, ns in zip(ref.seen.masters, c.seen.masters) for x, y in zip(ms, ns)]
     assert sum(ea) >= len(ea) // 2, ea  # bf16 forwards round ties apart (see test_split_steps_as_fp32_masters): most steps equal
+
+def test_bf16_states_of_a_torch_optimizer():
+    "torch's own states (an `OptimWrapper`'s `opt.state`, not fastai's) kept bf16 at rest, fp32 for each step and after the fit"
+    class TorchStates(Callback):
+        order = 20
+        def after_batch(self):
+            if self.training: self.seen = {v.dtype for st in self.opt.opt.state.values() for k, v in st.items() if k.startswith('exp_avg')}
+    adamw = partial(OptimWrapper, opt=torch.optim.AdamW)
+    ref, learn = fit(learner(opt_func=adamw)), fit(learner('split', opt_func=adamw, cbs=[TorchStates()], opt_states='bf16'))
+    assert learn.torch_states.seen == {torch.bfloat16, torch.float32}  # the Linear params' bf16, BatchNorm's (fp32 params) fp32
+    assert {v.dtype for st in learn.opt.opt.state.values() for k, v in st.items() if k.startswith('exp_avg')} == {torch.float32}
+    l0, l1 = ref.recorder.values[-1][0], learn.recorder.values[-1][0]
+    assert abs(l0 - l1) / l0 < 0.05, (l0, l1)

@@ -135,10 +135,15 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
               seed:int=42, # seed for the initial weights, shuffling and augmentation
               fp32_math:str='auto', # convs and linear layers in fp32 math: auto (where the dtype is slow here), on, off
               deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
+              masters:str='fp32', # bf16's fp32 masters: fp32 (the params), or in fewer bytes: split (exact), kahan, stochastic
              ):
     "Train one model with the fastai_fp16 callbacks and export the learner"
     if precision not in ('fp32','fp16','bf16','auto'):
         raise CLIError(f"--precision must be fp32, fp16, bf16 or auto, got {precision!r}.")
+    if masters not in ('fp32', 'split', 'kahan', 'stochastic'):
+        raise CLIError(f"--masters must be fp32, split, kahan or stochastic, got {masters!r}.")
+    if masters != 'fp32' and precision != 'bf16':
+        raise CLIError(f"--masters {masters} keeps bf16's fp32 masters in fewer bytes: add --precision bf16.")
     f32 = _fp32_math(fp32_math)
     device = _device(device)
     dls_fn, size = _data(data, size)
@@ -146,7 +151,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
     set_seed(seed)
     dls = dls_fn(bs=bs, size=size, device=device)
     learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
-    if precision != 'fp32': learn.to_half(precision, fp32_math=f32)
+    if precision != 'fp32': learn.to_half(precision, fp32_math=f32, **({'masters': masters} if masters != 'fp32' else {}))
     tty = sys.stdout.isatty()
     # fastai's progress bars and table in a terminal; to a file or a pipe, the table's lines, one an epoch
     if not tty: learn.logger = _TableLog(learn)
@@ -155,7 +160,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     learn.export(out.absolute()/'model.pkl')
     mth = _find_cb(learn, ModelToHalf)
-    ran = precision + (f" ({mth.plan.kernels})" if mth is not None and getattr(mth, 'plan', None) else '')
+    ran = precision + (f" ({mth.plan.kernels})" if mth is not None and getattr(mth, 'plan', None) else '') + (f", {masters} masters" if masters != 'fp32' else '')
     print(f"{ran} {arch} on {data}, {_det(deterministic)}: valid loss {learn.recorder.values[-1][1]:.4f}, accuracy "
           f"{learn.recorder.values[-1][2]:.4f}. Exported to {out/'model.pkl'}")
     return learn
