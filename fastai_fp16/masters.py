@@ -204,6 +204,7 @@ def _widen_piece(self:LeanMasters, pc, st:dict):
     if id(p) not in self.ids: pc.q, pc.st = p, st; return  # an fp32 param (BatchNorm's): stepped as it is, in its own state
     shape = p.shape if pc.a is None else (pc.numel,)
     bits = self._bits(p)
+    # a stand-in, not `p.data = ...`: a dtype change resets a param's grad accumulator, and DDP's hooks with it
     pc.q = nn.Parameter(self._widen(pc.of(p.data), None if bits is None else pc.of(bits), ws.take(pc.numel, p).view(shape)))
     pc.q.grad = ws.take(pc.numel, p).view(shape).copy_(pc.of(p.grad))
     pc.st = piece_state(pc, st, ws)
