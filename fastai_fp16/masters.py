@@ -202,11 +202,13 @@ def _widen_piece(self:LeanMasters, pc, st:dict):
     "`pc`'s fp32 stand-in `q` (and its grad) in the workspace, and the state it steps with, from its param's state `st` as the step found it"
     p, ws = pc.p, self.ws
     if id(p) not in self.ids: pc.q, pc.st = p, st; return  # an fp32 param (BatchNorm's): stepped as it is, in its own state
-    shape = p.shape if pc.a is None else (pc.numel,)
+    # a whole param's stand-in takes its strides (channels_last...): the optimizer's kernels walk it in the order they walk
+    # an fp32 master, and where their vector lanes meet an element sets how it rounds
+    like = lambda: ws.take(pc.numel, p) if pc.a is not None else ws.take(pc.numel, p).as_strided(p.shape, p.stride())
     bits = self._bits(p)
     # a stand-in, not `p.data = ...`: a dtype change resets a param's grad accumulator, and DDP's hooks with it
-    pc.q = nn.Parameter(self._widen(pc.of(p.data), None if bits is None else pc.of(bits), ws.take(pc.numel, p).view(shape)))
-    pc.q.grad = ws.take(pc.numel, p).view(shape).copy_(pc.of(p.grad))
+    pc.q = nn.Parameter(self._widen(pc.of(p.data), None if bits is None else pc.of(bits), like()))
+    pc.q.grad = like().copy_(pc.of(p.grad))
     pc.st = piece_state(pc, st, ws)
 
 @patch
@@ -216,7 +218,7 @@ def _narrow_piece(self:LeanMasters, pc):
     if pc.q is None: return  # not widened: the step raised before it
     if pc.q is p: sts[p] = pc.st; return  # torch's `step` took it out of its state
     bits = self._bits(p)
-    rand = self.ws.take(pc.numel, p).view(torch.int32).view(pc.q.shape) if self.mode == 'stochastic' else None
+    rand = self.ws.take(pc.numel, p).view(torch.int32).as_strided(pc.q.shape, pc.q.stride()) if self.mode == 'stochastic' else None
     self._narrow(pc.q.data, pc.of(p.data), None if bits is None else pc.of(bits), rand)
     put_state(pc, sts[p], torch.bfloat16 if self.opt_states == 'bf16' else torch.float32, self.ws)
 
