@@ -83,7 +83,7 @@ def check_masters(masters:str, # how the fp32 masters are kept: one of `masters_
 def _refuse(opt, masters):
     if opt_kind(opt) is None: raise ValueError(
         f"masters={masters!r} steps fastai's optimizers made of steppers (`Adam`, `SGD`, `RAdam`, `Lamb`, `QHAdam`, `Larc`) "
-        f"and torch's through `OptimWrapper`, a few params at a time in fp32; this one is a {type(opt).__name__} with a step "
+        f"and torch's through `OptimWrapper`, a chunk at a time in fp32; this one is a {type(opt).__name__} with a step "
         "of its own (`Lookahead` keeps copies of the weights). Use masters='fp32' (the default) with it.")
 
 # %% ../nbs/09b_masters.ipynb #3c58b38f
