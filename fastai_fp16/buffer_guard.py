@@ -11,7 +11,7 @@ from .core import cast_floats
 from .op_policy import autocast_off_hooks
 
 # %% auto #0
-__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32']
+__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32', 'land_buffers']
 
 # %% ../nbs/07_buffer_guard.ipynb #a7c1e006
 class BufferGuard:
@@ -101,3 +101,23 @@ def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
     post = lambda m, args, out: cast_floats(out, dtype)
     off = [h for m in modules for h in autocast_off_hooks(m, device_type)] if device_type else []
     return off + [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+
+# %% ../nbs/07_buffer_guard.ipynb #a7c1e0a2
+def land_buffers(entries:list, # each buffer in flight: (its dict, name, fp32 buffer, half copy, snapshot of the copy)
+                 dt:torch.dtype, # the half dtype
+                )->tuple: # (the entries for the next batch, whether a buffer was re-assigned with a new shape)
+    "At rest: each fp32 buffer back in its dict, with what the forward changed of its half copy (and only that)"
+    res, moved = [], False
+    for e in entries:
+        d,n,b,hb,snap = e
+        cur = d.get(n); d[n] = b
+        if cur is hb: b.copy_(torch.where(hb != snap, hb, b))  # only what the forward changed: the rest keeps its fp32 value
+        elif isinstance(cur, torch.Tensor) and cur.shape == b.shape and cur.device == b.device: b.copy_(cur)  # `self.n = self.n + 1`
+        else:  # re-assigned with a new shape (a longer history, a cache rebuilt): the model's tensor now, in fp32
+            d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == dt else cur
+            moved = True
+            if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
+            h = e.to(dt)
+            e = (d, n, e, h, h.clone())  # its copies, for the backward's recomputation and the next batch
+        res.append(e)
+    return res, moved

@@ -14,8 +14,10 @@ from torch.nn.utils.prune import BasePruningMethod
 from fastcore.basics import patch
 from .core import cast_floats
 from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .buffer_guard import run_fp32
+from .buffer_guard import run_fp32, land_buffers
 from .op_policy import autocast_hooks, _activate
+from .owners import owners, attach_missed, compiled
+from .lean_in_flight import LeanInFlight
 
 # %% auto #0
 __all__ = []
@@ -33,12 +35,15 @@ def _recompute(m:nn.Module, h):
     else: h(m, ())
 
 class _Casts:
-    "A fit's model in flight: each converted param registered as its cast (inside autograd), each converted buffer as a half copy; or, `at_rest`, the tensors made half for the whole fit"
+    "A fit's model in flight: each converted param registered as its cast (inside autograd) at its module's first forward, each converted buffer as a half copy; or, `at_rest`, the tensors made half for the whole fit"
     def __init__(self, dt, pick, fp32_math:bool, at_rest:list|None=None, ops:str|None=None):
         self.dt, self.pick, self.fp32_math, self.ops = dt, pick, fp32_math, ops  # pick(model): (params, buffers, fp32 modules) to convert
-        self.model, self.up, self.kept, self.dirty, self.fp32, self.lazy = None, False, False, True, False, False
+        self.model, self.up, self.kept, self.dirty, self.fp32, self.lazy, self.late = None, False, False, True, False, False, False
         self.undo, self.born, self.regions, self.swapped = [], [], [], []  # regions: autocast regions' states (`op_policy`)
-        self.pr, self.br, self.casts, self.mods, self.rnns, self.pre = [], [], [], [], [], []
+        self.pr, self.br, self.mods, self.rnns, self.pre = [], [], [], [], []
+        self.own, self.made, self.reg, self.called = {}, {}, {}, set()  # by module: its params' entries; the window's casts
+        self.src, self.bsrc, self.lean = {}, {}, LeanInFlight()  # the casts' and copies' fp32 sources; lean params' fp32 values
+        self.fwd, self.wraps = {}, {}  # by module: the forward wrapped now, the wrapper (made once)
         self.hooks = [h(self._registered) for h in _reg_hooks]
         self.ts = self.f32 = None
         if at_rest is not None:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
@@ -62,28 +67,100 @@ class _Casts:
         self.pre = [(m,h) for m in model.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _computed)]
         # a lazy module materializes its params in place at its first forward, which no registration hook sees
         self.lazy = any(is_lazy(t) for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)
-        self.model, self.dirty = model, False
+        self.model, self.dirty, self.ever = model, False, set()
+        # each param cast as its module's forward starts (a holder's, `nn.ParameterList`'s, as its caller's): under autocast's
+        # policy, as torch.autocast casts at first use; every op in the half dtype (no policy) or a compiled model: all at once
+        self.late = self.ops is not None and self.f32 is None and not compiled(model)
+        ms = list(model.modules())
+        at = {id(m._parameters): m for m in ms}
+        self.mod_of = [at[id(d)] for d,_,_ in ps]
+        self.own = owners(model, self.mod_of)  # which module's forward casts which params (`owners`)
+        self.bsrc = {id(hb): b for _,_,b,hb,_ in self.br}
+        self.lean.find(model)  # `masters='split'`...: bf16 params, which the forward uses as they are
+        self.by_id = {id(m): m for m in ms}
 
-    def _cast(self):
-        "Each converted param's cast, `p.to(dt)` of its fp32 value now"
-        if self.f32 is not None: return
-        cs, self.casts = {}, []
-        for _,_,p in self.pr:  # the backward runs through each cast into its fp32 param: `p.grad` is fp32
-            c = cs.get(id(p))
-            if c is None: c = cs[id(p)] = p.to(self.dt)  # once per tensor (tied weights share one); keeps the memory format
-            self.casts.append(c)
+    def _cast(self, idx):
+        "Entries `idx` of `pr` registered as their casts, `p.to(dt)` of the fp32 value now: once a window per tensor (tied weights share one) and grad mode"
+        g = torch.is_grad_enabled()
+        for i in idx:
+            d, n, p = self.pr[i]
+            cur, r = d.get(n), self.reg.get(i)
+            if cur is not p and not (r is not None and cur is r[0] and g and not r[1]): continue  # cast already (or not ours)
+            c = self.made.get((id(p), g))
+            if c is None:  # the backward runs through it into the fp32 param; memory format kept
+                c = self.made[(id(p), g)] = p.to(self.dt)
+                self.src[id(c)] = p
+            d[n], self.reg[i] = c, (c, g)
+
+    def _uncast(self, idx):
+        "Entries `idx` of `pr` that hold their casts: the fp32 params back"
+        for i in idx:
+            d, n, p = self.pr[i]
+            r = self.reg.get(i)
+            if r is not None and d.get(n) is r[0]: d[n] = p
+
+    def _enter(self, k:int):
+        "Module `k`'s forward starts: its params registered as their casts (in an fp32 region: as they are, lean ones as fp32 values)"
+        self.called.add(k)
+        if self.fp32: self.lean.stand(k)
+        elif k in self.own: self._cast(self.own[k])
+
+    def _exit(self, k:int):
+        "Module `k`'s forward ends: its own params back (its casts live on in the graph)"
+        if k in self.own: self._uncast(self.own[k])
+        if self.lean.reg: self.lean.unstand(k)
+
+    def _wrap(self, ks)->callable:
+        "`_enter` and `_exit` around the forwards of modules `ks` (wrapped, or hooked where they have pre-hooks of their own); returns what takes them off"
+        # a wrapped `forward` costs least; hooks run before a module's own pre-hooks (`weight_norm`'s reads the casts) and
+        # forward hooks (`summary()`'s reads the params)
+        undo, put = [], []
+        for k in ks:
+            m = self.by_id[k]
+            if m._forward_pre_hooks:
+                undo += [m.register_forward_pre_hook(lambda m, a, k=k: self._enter(k), prepend=True).remove,
+                         m.register_forward_hook(lambda m, a, o, k=k: self._exit(k), prepend=True, always_call=True).remove]
+                continue
+            d = m.__dict__  # not through `Module.__setattr__`: a function is none of a module's registrations
+            put.append((d, d.get('forward')))  # the forward set on `m` before (fp32 math's), if any
+            self.fwd[k] = m.forward
+            w = self.wraps.get(k) or self.wraps.setdefault(k, self._wrapper(k))  # made once a model
+            d['forward'], w.__wrapped__ = w, self.fwd[k]  # `__wrapped__`: what `inspect.signature` reads
+        def off():
+            for u in undo: u()
+            for d,had in put:
+                if had is None: d.pop('forward', None)
+                else: d['forward'] = had
+        return off
+
+    def _wrapper(self, k:int):
+        "Module `k`'s forward between `_enter` and `_exit` (inlined: it runs at every module call in flight)"
+        def forward(*args, **kwargs):
+            self.called.add(k)
+            idx = None if self.fp32 else self.own.get(k)
+            if idx is not None: self._cast(idx)
+            elif self.fp32: self.lean.stand(k)
+            try: return self.fwd[k](*args, **kwargs)
+            finally:
+                if idx is not None: self._uncast(idx)
+                if self.lean.reg: self.lean.unstand(k)
+        return forward
+
+    def fp32_of(self, t:torch.Tensor)->torch.Tensor|None:
+        "The fp32 tensor whose half stand-in `t` is in flight (a param's cast, a buffer's copy, a lean param's fp32 value); None if none"
+        p = self.src.get(id(t))
+        return p if p is not None else self.bsrc[id(t)] if id(t) in self.bsrc else self.lean.fp32(t)
 
     def open(self, model:nn.Module):
-        "In flight: each converted param registered as `p.to(dt)` of its fp32 value now, each converted buffer as a half copy"
+        "In flight: each converted param registered as `p.to(dt)` of its fp32 value when its module first runs, each converted buffer as a half copy"
         if self.up: return
         moved = any(d.get(n) is not t for d,n,t in self.pr) or any(d.get(n) is not t for d,n,t,*_ in self.br)
         if self.dirty or moved or model is not self.model: self._find(model)
-        self._cast()
         self._put(refresh=True)
 
     def reopen(self):
-        "For the backward: the forward's casts back in the model, so that a checkpointed block's recomputation meets them"
-        if not self.up and self.kept: self._put(refresh=False)  # the copies as the forward left them (its graph saved some)
+        "For the backward: the window up again, so that a checkpointed block's recomputation meets casts (made again, or the forward's kept)"
+        if not self.up and self.kept: self._put(refresh=False)  # the buffers' copies as the forward left them (its graph saved some)
 
     def _put(self, refresh:bool):
         self.up, self.kept, self.born, model = True, False, [], self.model
@@ -96,12 +173,17 @@ class _Casts:
         if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
         if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt, self.ops)]
         if self.rnns: self.undo += [m.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove for m in self.rnns]
+        if self.late:  # last: around what fp32 math and the hooks above put on
+            self.called, self.learn = set(), refresh  # a forward's window, not the backward's: what it missed is learnt
+            if refresh: self.undo.append(self._wrap({*self.own, *self.lean.by}))
+            else:  # the backward, where only a checkpointed block's recomputation calls modules: hooks that cost nothing until then
+                self.undo += [_mod.register_module_forward_pre_hook(lambda m, a: self._enter(id(m))).remove,
+                              _mod.register_module_forward_hook(lambda m, a, o: self._exit(id(m)), always_call=True).remove]
 
     def _register(self, refresh:bool):
-        "The casts in the model's dicts; with `refresh` the buffers' half copies too, refreshed from their fp32 values"
+        "The casts (all of them, unless made at first forward) in the model's dicts; with `refresh` the buffers' half copies too, refreshed from their fp32 values"
         if self.f32 is not None: return
-        for (d,n,p),c in zip(self.pr, self.casts):
-            if refresh or d.get(n) is p: d[n] = c  # (not over a tensor the forward registered there instead)
+        if not self.late: self._cast(range(len(self.pr)))
         if self.br and refresh:
             with torch.no_grad():
                 hbs = [t[3] for t in self.br]
@@ -115,9 +197,9 @@ class _Casts:
 def swap(self:_Casts, fp32:bool):
     "The model's own fp32 params and buffers where their casts are (`fp32`: an autocast-off region), or the casts back"
     if fp32 == self.fp32 or not self.up: return
-    self.fp32 = fp32
+    self.fp32 = fp32  # inside, a module's first forward leaves its params fp32 (`_enter`)
     if fp32:
-        pairs = [(d,n,c,p) for (d,n,p),c in zip(self.pr, self.casts)] + [(d,n,hb,b) for d,n,b,hb,_ in self.br]
+        pairs = [(self.pr[i][0], self.pr[i][1], c, self.pr[i][2]) for i,(c,_) in self.reg.items()] + [(d,n,hb,b) for d,n,b,hb,_ in self.br]
         self.swapped = [(d,n,h,f) for d,n,h,f in pairs if d.get(n) is h]
         for d,n,_,f in self.swapped: d[n] = f
     else:
@@ -134,55 +216,54 @@ def holds(self:_Casts, m:nn.Module)->bool:
 def around(self:_Casts, f):
     "`f()` on the model at rest (`model.float()`, `.to(...)` in flight): the fp32 tensors back, `f` applied to them, cast again"
     self.fp32, self.swapped = False, []
+    cast = {id(self.pr[i][2]) for i,(c,_) in self.reg.items() if self.pr[i][0].get(self.pr[i][1]) is c}  # held now: cast again after
     with torch.no_grad(): self._land(keep=False)
     try: return f()
     finally:
-        self._find(self.model); self._cast(); self._register(refresh=True)
+        self._find(self.model); self._register(refresh=True)
+        self._cast([i for i,(_,_,p) in enumerate(self.pr) if id(p) in cast])
 
 # %% ../nbs/01b_casts.ipynb #c1b0a009
 @patch
 def close(self:_Casts, keep:bool=False):
-    "At rest: the fp32 tensors back; what the forward changed in place, re-assigned or made lands in them, in fp32; `keep` the casts for `reopen`"
+    "At rest: the fp32 tensors back; what the forward changed in place, re-assigned or made lands in them, in fp32; `keep`: `reopen` may follow"
     if not self.up: return
     self.up, self.kept = False, keep
     for u in reversed(self.undo): u()
     self.undo, self.regions, self.fp32, self.swapped = [], [], False, []
+    if self.late and self.learn: self._learn()
     with torch.no_grad(): self._land(keep)
     if self.lazy: self.dirty = True  # its params materialized in flight: converted from the next batch
 
 @patch
+def _learn(self:_Casts):
+    "Params a forward read without their module running (`nn.MultiheadAttention`'s `out_proj`): cast from now on with its nearest caller's"
+    self.ever |= self.called
+    missed = [i for i in range(len(self.pr)) if i not in self.reg and id(self.mod_of[i]) not in self.ever]
+    if missed: attach_missed(self.model, self.mod_of, missed, self.called, self.own); self.ever |= {id(self.mod_of[i]) for i in missed}
+
+@patch
 def _land(self:_Casts, keep:bool):
     "What the forward changed, landed in the fp32 tensors, which are back in the model"
-    if self.f32 is None: self._land_params(keep); self._land_buffers()
+    if self.f32 is None:
+        self._land_params(keep)
+        self.br, moved = land_buffers(self.br, self.dt)
+        self.dirty |= moved
     if self.born: self._land_born()
     for m,h in self.pre: _recompute(m, h)  # `weight_norm`'s, `spectral_norm`'s, `prune`'s weight attribute, from the fp32 params
 
 @patch
 def _land_params(self:_Casts, keep:bool):
-    changed = []
-    for (d,n,p),c in zip(self.pr, self.casts):
-        if d.get(n) is c: d[n] = p
-        else: self.dirty = True  # the forward registered another tensor there: the model's now
-        if c._version: changed.append((p, c))  # changed in place (`nn.Embedding(max_norm=...)` renormalizes rows)
-    if not keep: self.casts = []
+    for i,(d,n,p) in enumerate(self.pr):
+        cur, r = d.get(n), self.reg.get(i)
+        if r is not None and cur is r[0]: d[n] = p
+        elif cur is not p: self.dirty = True  # the forward registered another tensor there: the model's now
+    changed = [k for k,c in self.made.items() if c._version]  # changed in place (`nn.Embedding(max_norm=...)` renormalizes rows)
+    if changed: ps = {id(p): p for _,_,p in self.pr}; changed = [(ps[k[0]], self.made[k]) for k in changed]
+    # no strong reference to a cast after the window, but where `reopen` needs the forward's (all made at once: no policy, compiled)
+    if not (keep and not self.late): self.made, self.reg, self.src = {}, {}, {}
+    if self.lean.reg: self.lean.unstand()  # a forward that raised in an fp32 region
     for p,c in changed: p.copy_(torch.where(c != p.to(c.dtype), c.float(), p))  # only what it changed
-
-@patch
-def _land_buffers(self:_Casts):
-    br = []
-    for e in self.br:
-        d,n,b,hb,snap = e
-        cur = d.get(n); d[n] = b
-        if cur is hb: b.copy_(torch.where(hb != snap, hb, b))  # only what the forward changed: the rest keeps its fp32 value
-        elif isinstance(cur, torch.Tensor) and cur.shape == b.shape and cur.device == b.device: b.copy_(cur)  # `self.n = self.n + 1`
-        else:  # re-assigned with a new shape (a longer history, a cache rebuilt): the model's tensor now, in fp32
-            d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == self.dt else cur
-            self.dirty = True
-            if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
-            h = e.to(self.dt)
-            e = (d, n, e, h, h.clone())  # its copies, for the backward's recomputation and the next batch
-        br.append(e)
-    self.br = br
 
 @patch
 def _land_born(self:_Casts):
@@ -204,6 +285,6 @@ def restore(self:_Casts):
 @patch
 def remove(self:_Casts):
     "The fit is over: the model at rest, the registration hooks off, fp32 again after `master_weights=False`"
-    self.close(); self.casts = []; self.restore()
+    self.close(); self.made, self.reg, self.src, self.fwd, self.wraps = {}, {}, {}, {}, {}; self.restore()
     for h in self.hooks: h.remove()
     self.hooks = []

@@ -4,12 +4,13 @@
 
 # %% ../nbs/08_conflicts.ipynb #a8c0e003
 from __future__ import annotations
-import functools
+import functools, inspect, sys
+from fastcore.foundation import L
 from fastai.learner import Learner
 from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision, ModelToHalf as FastaiModelToHalf, NonNativeMixedPrecision
 
 # %% auto #0
-__all__ = ['fastai_precision', 'check_fastai_precision']
+__all__ = ['fastai_precision', 'check_fastai_precision', 'named_ours', 'remove_fastai_precision', 'fit_cbs']
 
 # %% ../nbs/08_conflicts.ipynb #a8c0e006
 _fastai_made = {FastaiMixedPrecision: ('`to_fp16()`/`to_bf16()`', '`learn.to_fp32()`'),
@@ -44,10 +45,37 @@ def check_fastai_precision(learn, # the Learner to check
     what, fix = _theirs(found)
     if adding: raise ValueError(f"This Learner already has {what}. Two precision systems would both cast the model and scale the "
                                 f"loss: remove fastai's with {fix} first, then call `learn.to_half()`.")
-    raise ValueError(f"This Learner has {what} and fastai_fp16's {', '.join(sorted({type(cb).__name__ for cb in ours}))} (from "
-                     "`to_half()`): two precision systems would both cast the model and scale the loss. Keep one: remove "
-                     f"fastai's with {fix}, or ours with `learn.to_float()`. (The names clash: fastai_fp16's callbacks are "
-                     "`fastai_fp16.half_model.ModelToHalf`/`fastai_fp16.mixed_precision.MixedPrecision`; `learn.to_half()` adds them.)")
+    mine = ', '.join(sorted({type(cb).__name__ for cb in ours}))
+    passed = [cb for cb in found if any(cb is c for c in fit_cbs())]
+    if passed: where, fix = ("passed to this fit (`fit`/`fit_one_cycle`/`fine_tune`'s `cbs=`)", "leave it out of `cbs=`: "
+        "`to_half()` already trains in mixed precision (where `from fastai_fp16.all import *` comes before fastai's star import, "
+        "`MixedPrecision` is fastai's: import fastai_fp16.all last)")
+    else: where, fix = ("on the Learner (from `to_fp16()`, `to_bf16()`, `to_non_native_fp16()`, `add_cb` or `Learner(cbs=...)`)",
+        "remove fastai's alone with `remove_fastai_precision(learn)` (from `fastai_fp16.all`)")
+    raise ValueError(f"This Learner has {what}, {where}, and fastai_fp16's {mine} (from `to_half()`): two precision systems "
+                     f"would both cast the model and scale the loss. Keep one: {fix}; or keep fastai's and remove ours with "
+                     "`learn.to_float()`. (The names clash: fastai_fp16's callbacks are `fastai_fp16.half_model.ModelToHalf`/"
+                     "`fastai_fp16.mixed_precision.MixedPrecision`; `learn.to_half()` adds them.)")
+
+def named_ours(learn):
+    "Point `learn.mixed_precision` (and each name of ours) at our callback: fastai's, of the same name, took it when added and removing it deletes it"
+    for cb in _ours(learn):
+        if learn.__dict__.get(cb.name) is not cb: setattr(learn, cb.name, cb)
+
+def remove_fastai_precision(learn)->list:
+    "Remove fastai's own mixed-precision callbacks from `learn` (`to_fp16`'s, `add_cb`'s...), leaving `to_half()`'s: what was removed"
+    found = fastai_precision(learn)
+    learn.remove_cbs(found)
+    named_ours(learn)
+    return found
+
+def fit_cbs()->list:
+    "The callbacks passed to the `Learner.fit` running now (`cbs=`, as `fit_one_cycle` and `fine_tune` pass theirs), else []"
+    f, code = sys._getframe(1), inspect.unwrap(Learner.fit).__code__
+    while f is not None:  # fastai's own `fit`, whose `cbs` argument it adds for the fit and removes after
+        if f.f_code is code: return list(L(f.f_locals.get("cbs")))
+        f = f.f_back
+    return []
 
 # %% ../nbs/08_conflicts.ipynb #a8c0e008
 def _refusing(name:str, f):

@@ -30,7 +30,10 @@ def _cleanup_half(learn:Learner):
         if hasattr(cb, '_fp16_cleanup'): cb._fp16_cleanup()
 
 # %% ../nbs/00a_fit_guard.ipynb #a9893265
-_two_dtypes = re.compile(r"same dtype|should be the same|expected scalar type|mixed dtype|primitive descriptor for the (LSTM|GRU|RNN)")
+# each wording torch has for "these tensors are of two dtypes" (matmuls, convolutions, norms, embedding_bag, prelu, index
+# and scatter ops, lerp, losses' backward, oneDNN's RNNs)
+_two_dtypes = re.compile(r"same (scalar )?(dtype|type)|should be the same|same dtypes|expected scalar type|mixed dtype|Type promoting "
+                         r"not supported|expected dtype \w+ for|to be equal to src\.dtype|Found dtype \w+ but expected|primitive descriptor for the (LSTM|GRU|RNN)")
 
 def _stateful(model:nn.Module)->bool:
     "Whether `model` keeps a state between batches (an RNN, a `reset` method: fastai's `AWD_LSTM`)"

@@ -6,7 +6,7 @@
 from __future__ import annotations
 from functools import partial, cache
 import torch
-from fastai.optimizer import Optimizer, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, adam_step
+from fastai.optimizer import Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, adam_step
 
 # %% auto #0
 __all__ = ['fastai_adam_kind', 'fused_adam_target', 'fused_adam_supported', 'fused_adam_step', 'use_fused_adam',
@@ -59,8 +59,8 @@ def fused_adam_supported(device, # a `torch.device` or its name
 
 # %% ../nbs/09a_fused_adam.ipynb #85aa2c7f
 def _like(t, p):
-    "`t` with the strides of `p`: the kernel walks every tensor of a param in one memory order"
-    return t if t.stride() == p.stride() else torch.empty_like(p).copy_(t)
+    "`t` with the strides and dtype of `p`: the kernel walks every tensor of a param in one memory order, in one dtype"
+    return t if t.stride() == p.stride() and t.dtype == p.dtype else torch.empty_like(p).copy_(t)
 
 def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) over fp32 params
                     kind:str='adamw', # what `fastai_adam_kind(opt)` returned
@@ -72,8 +72,8 @@ def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) ov
     fused = torch._fused_adamw_ if kind == 'adamw' else torch._fused_adam_  # decoupled weight decay, or L2
     buckets = {}
     for p, st, i in items:
-        # a state saved in another memory format (resumed with channels_last): made like its param once, else the
-        # CUDA kernel refuses it and the CPU one misreads it
+        # a state saved in another memory format (resumed with channels_last) or kept bf16 (`opt_states='bf16'`): made
+        # like its param once, else the CUDA kernel refuses it and the CPU one misreads it
         for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
         st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
         wd = float(opt.hypers[i]['wd']) if st.get('do_wd', True) else 0.
@@ -135,4 +135,13 @@ def _step_with(run, # a fit's state (`MixedPrecision._run`): its `opt` and wheth
     if getattr(run, 'fused', False): unuse_fused_adam(run.opt)  # the one before gets its own step back
     run.fused = _fused_step_ok(opt, dev, asked, master_weights)
     if run.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
+    if master_weights: _fp32_states(opt)
     run.opt = opt
+
+def _fp32_states(opt):
+    "The averages of `opt`'s fp32 params fp32: lean masters with `opt_states='bf16'` leave them bf16 after their fit (one at a time)"
+    sts = opt.opt.state if isinstance(opt, OptimWrapper) else getattr(opt, 'state', {})
+    for p,st in list(sts.items()):
+        if not (isinstance(p, torch.Tensor) and p.dtype == torch.float32 and isinstance(st, dict)): continue
+        for k,v in list(st.items()):
+            if isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 and v.shape == p.shape: st[k] = v.float()

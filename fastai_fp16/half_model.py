@@ -14,7 +14,7 @@ from .layout import plan_fit, layout_asked
 from .buffer_guard import kept_fp32
 from .casts import _Casts
 from .op_policy import autocast_ok
-from .conflicts import check_fastai_precision
+from .conflicts import check_fastai_precision, named_ours, fit_cbs
 from .fit_guard import _role, _in_fit
 
 # %% auto #0
@@ -24,9 +24,13 @@ __all__ = ['ModelToHalf', 'BatchNormToFloat']
 def _check_setup(learn):
     "Clear errors for the ways to misuse the callbacks, before anything is converted"
     check_fastai_precision(learn)  # fastai's own mixed precision next to ours
+    named_ours(learn)  # `learn.mixed_precision` ours again after fastai's, of that name, was removed
     mps = _role(learn, 'mixed')
     n = {r: len(_role(learn, r)) for r in ('model', 'norm', 'mixed')}
     if max(n.values()) > 1:
+        passed = sorted({type(cb).__name__ for cb in learn.cbs if getattr(cb, '_fp16_role', None) and any(cb is c for c in fit_cbs())})
+        if passed: raise ValueError(f"fastai_fp16's {' and '.join(passed)} passed to this fit (`cbs=`) beside the one `to_half()` added: "
+            "leave it out of `cbs=`, and give its settings to `to_half` instead (`learn.to_float().to_half('fp16', init_scale=...)`).")
         raise ValueError(f"This Learner has its half-precision callbacks more than once ({n}): `to_half()` was called twice? "
                          "Call `learn.to_float()` to remove them, then `learn.to_half(...)` once.")
     if not n['mixed']:

@@ -10,20 +10,13 @@ import torch.distributed as dist
 from fastcore.basics import patch
 from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
 from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, _per_element
+from .writes import Writes, raw, _blockwise
 
 # %% auto #0
 __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
            'LeanMasters', 'use_lean_masters', 'without_bits']
 
 # %% ../nbs/09b_masters.ipynb #0b5b50cd
-_block = 1 << 18  # elements: an in-place op on two dtypes widens its operand in a temporary; of a block at most
-
-def _blockwise(f, *ts):
-    "`f` on matching blocks of tensors `ts` (flat views where all are contiguous, else `ts` whole)"
-    if ts[0].numel() > _block and all(t.is_contiguous() for t in ts):
-        for part in zip(*(t.view(-1).split(_block) for t in ts)): f(*part)
-    else: f(*ts)
-
 def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
                hi:torch.Tensor, # bf16, shaped as `x`: gets `x` rounded (half away from zero)
                lo:torch.Tensor, # int16, shaped as `x`: gets the low 16 bits that `hi` drops
@@ -53,13 +46,19 @@ def join_fp32(hi:torch.Tensor, lo:torch.Tensor)->torch.Tensor: # from `split_fp3
 
 def round_stochastic(x:torch.Tensor, # fp32
                      gen:torch.Generator|None=None, # the random bits' generator (on `x`'s device)
-                     rand:torch.Tensor|None=None, # int32 memory shaped as `x` for the random bits (else new)
                      out:torch.Tensor|None=None, # bf16 shaped as `x`, for the result (else new)
+                     overwrite:bool=False, # the sums made in `x`'s memory (`x` is lost): no new memory
                     )->torch.Tensor:
     "`x` in bf16, rounded up or down at random, with the probability of each its nearness: unbiased, `E[round(x)] = x`"
-    r = (torch.empty_like(x, dtype=torch.int32) if rand is None else rand).random_(0, 1 << 16, generator=gen)
     out = torch.empty_like(x, dtype=torch.bfloat16) if out is None else out
-    out.view(torch.int16).copy_(r.add_(x.view(torch.int32)).bitwise_right_shift_(16))
+    o, xi, n = out.view(torch.int16), (x if overwrite else x.clone()).view(torch.int32), x.numel()
+    # 16 random bits an element, four to a draw of 64 (torch's fastest: its full range), drawn into `out` (a 64-bit view
+    # where it can be one, else copied there)
+    if o.is_contiguous() and n % 4 == 0 and o.data_ptr() % 8 == 0: o.view(-1).view(torch.int64).random_(-2**63, None, generator=gen)
+    else: o.copy_(torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-2**63, None, generator=gen).view(torch.int16)[:n].view(o.shape))
+    # `x`'s bit pattern plus a uniform 16-bit number (the bits read signed, plus 2**15), the low 16 bits dropped: up with
+    # probability (what is dropped) / 2**16
+    _blockwise(lambda o, xi: o.copy_(xi.add_(o).add_(0x8000).bitwise_right_shift_(16)), o, xi)
     return out
 
 # %% ../nbs/09b_masters.ipynb #9d6e942a
@@ -73,7 +72,12 @@ def check_masters(masters:str, # how the fp32 masters are kept: one of `masters_
     "Raise a clear error for a `masters`/`opt_states` setting that cannot train"
     if masters not in masters_modes: raise ValueError(f"masters is one of {list(masters_modes)}, got {masters!r}.")
     if opt_states not in ('fp32', 'bf16'): raise ValueError(f"opt_states is 'fp32' or 'bf16', got {opt_states!r}.")
-    if masters == 'fp32': return
+    if masters == 'fp32':
+        if opt_states == 'bf16': raise ValueError(
+            "opt_states='bf16' keeps the optimizer's averages bf16 beside lean masters; with masters='fp32' (the default) "
+            "they stay fp32. Use `to_half('bf16', masters='split', opt_states='bf16')` (or 'kahan', 'stochastic'): the params "
+            "and states both in fewer bytes.")
+        return
     if not master_weights: raise ValueError(f"masters={masters!r} keeps the fp32 masters in fewer bytes; master_weights=False "
                                             "keeps none. Pass one of them.")
     if dtype == torch.float16:
@@ -99,6 +103,7 @@ class LeanMasters:
         check_masters(mode, opt_states)
         self.mode, self.opt_states, self.seed, self.steps = mode, opt_states, seed, steps
         self.ps, self.ids, self.opt, self.gen, self.fused, self.ws = [], set(), None, None, None, None
+        self.writes = Writes(self._bits, self._narrow, self._widen)  # what user code writes to the params lands
 
     def _bits(self, p, pop:bool=False)->torch.Tensor|None:
         "What `p` keeps beside its bf16 (split's low bits, Kahan's compensation) in the optimizer's state; None for stochastic"
@@ -112,19 +117,20 @@ class LeanMasters:
         _blockwise(lambda o, h, b: o.copy_(h).add_(b), out, h, bits)
         return out
 
-    def _narrow(self, x, h, bits, rand=None):
-        "fp32 `x` into bf16 `h` and its `bits`, in place; `x` is used up. `rand`: int32 memory for stochastic rounding's bits"
+    def _narrow(self, x, h, bits, stepped:bool=False):
+        "fp32 `x` into bf16 `h` and its `bits`, in place; `x` is used up. `stepped`: a step's update (stochastic rounding rounds it at random)"
         if self.mode == 'split': split_into(x, h, bits)
-        elif self.mode == 'kahan':  # what bf16 dropped, added back next step
-            h.copy_(x); _blockwise(lambda x, h, b: b.copy_(x.sub_(h)), x, h, bits)
-        elif rand is None: h.copy_(x)  # a value not stepped stays as near as it can
-        else: round_stochastic(x, self.gen, rand, h)
+        elif self.mode == 'kahan':  # what bf16 dropped, added back next step, truncated: `h` is their sum rounded, so a
+            # fit's end (the fp32 sum) and the next fit's start make the same pair (rounded, a tie could go to the other `h`)
+            h.copy_(x); _blockwise(lambda x, h, b: b.view(torch.int16).copy_(x.sub_(h).view(torch.int32).bitwise_right_shift_(16)), x, h, bits)
+        elif not stepped: h.copy_(x)  # a value not stepped stays as near as it can
+        else: round_stochastic(x, self.gen, h, overwrite=True)
 
     def _states(self, p, dt):
-        "`p`'s averages made `dt` (bf16 at rest with `opt_states='bf16'`, fp32 after the fit)"
+        "`p`'s averages made `dt`: bf16 at rest with `opt_states='bf16'`, fp32 with 'fp32' (kept bf16 from an earlier fit)"
         st = opt_state(self.opt)[p]
         for k,v in list(st.items()):
-            if _per_element(k, v, p) and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
+            if _per_element(k, v, p) and k not in _key.values() and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
 
     def begin(self, opt, # the fit's optimizer (see `opt_kind`)
               params:list, # the model's fp32 params computed in half: those `opt` holds become lean
@@ -142,29 +148,38 @@ class LeanMasters:
                 if k: bits = opt.state[p][k] = torch.empty_like(x, dtype=torch.int16 if self.mode == 'split' else torch.bfloat16)
                 self._narrow(x.clone(), h, bits)  # a copy: the tensor the model had keeps its value (another may hold it)
                 p.data = h
-                if self.opt_states == 'bf16': self._states(p, torch.bfloat16)
+                self._states(p, torch.bfloat16 if self.opt_states == 'bf16' else torch.float32)
                 if grads and g is not None: p.grad = g.to(torch.bfloat16)
+        self.writes.watch(self.ps)
         return self
 
     def end(self, grads:bool=False # their grads made fp32 (else dropped)
            )->list:
-        "Each param fp32 again, its exact value, and its states fp32; the extra bits out of the optimizer's state. Returns the params"
+        "Each param fp32 again, its exact value; the extra bits out of the optimizer's state, the states as they are (bf16 ones stay bf16). Returns the params"
+        self.ws = None  # the step's workspace goes first, then the grads (unless kept): the fp32 params take their memory
         with torch.no_grad():
-            for p in self.ps:
+            gs = {id(p): p.grad for p in self.ps if p.dtype == torch.bfloat16} if grads else {}
+            for p in self.ps: p.grad = None
+            self.writes.settle_all(); self.writes.unwatch()
+            for p in self.ps:  # a param at a time: its fp32 tensor comes as its bf16 one and bits go
                 if p.dtype != torch.bfloat16: continue
-                g, p.grad = p.grad, None
-                p.data = self._widen(p.data, self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
-                self._states(p, torch.float32)
-                if grads and g is not None: p.grad = g.float()
-        ps, self.ps, self.ids, self.opt, self.gen, self.ws = self.ps, [], set(), None, None, None
+                p.data = self._widen(raw(p), self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
+                if grads and gs.get(id(p)) is not None: p.grad = gs[id(p)].float()
+        ps, self.ps, self.ids, self.opt, self.gen = self.ps, [], set(), None, None
         return ps
 
     @contextmanager
     def widened(self, learn):
-        "Inside, the params fp32 with their exact values (and grads): what `learn.export` and `load` read and write mid-fit"
-        ps = self.end(grads=True)
+        "Inside, the params fp32 with their exact values: what `learn.export` and `load` read and write mid-fit (the grads kept aside, bf16)"
+        ps = self.ps
+        gs = [p.grad for p in ps]
+        for p in ps: p.grad = None
+        self.end()
         try: yield
-        finally: self.begin(learn.opt, ps, grads=True)  # `export` made a new optimizer: its state takes the bits
+        finally:
+            self.begin(learn.opt, ps)  # `export` made a new optimizer: its state takes the bits
+            for p,g in zip(ps, gs):
+                if g is not None: p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
     @contextmanager
     def saving(self, model):
@@ -181,14 +196,18 @@ class LeanMasters:
 
     def master(self, p)->torch.Tensor:
         "`p`'s fp32 master value: a new tensor where `p` is lean, `p` itself where it is not"
-        if id(p) not in self.ids or p.dtype != torch.bfloat16: return p
-        return self._widen(p.data, self._bits(p), torch.empty_like(p, dtype=torch.float32))
+        if id(p) not in self.ids: return p
+        self.writes.settle(p)  # what was written to it since the last step first
+        if p.dtype != torch.bfloat16: return p
+        return self._widen(raw(p), self._bits(p), torch.empty_like(p, dtype=torch.float32))
 
     def broadcast(self, src:int=0):
         "Rank `src`'s bits on every rank: DDP broadcasts the params, not these, and ranks seeded apart made their own"
+        self.writes.settle_all(ddp=True)  # what each rank wrote since its fit began (DDP's broadcast of the params aside)
         for p in self.ps:
             t = self._bits(p)
             if t is not None: dist.broadcast(t.view(torch.bfloat16), src)  # raw bits: no backend arithmetic on them
+        self.writes.rebase()
 
 # %% ../nbs/09b_masters.ipynb #22ee43e0
 @patch
@@ -207,7 +226,7 @@ def _widen_piece(self:LeanMasters, pc, st:dict):
     like = lambda: ws.take(pc.numel, p) if pc.a is not None else ws.take(pc.numel, p).as_strided(p.shape, p.stride())
     bits = self._bits(p)
     # a stand-in, not `p.data = ...`: a dtype change resets a param's grad accumulator, and DDP's hooks with it
-    pc.q = nn.Parameter(self._widen(pc.of(p.data), None if bits is None else pc.of(bits), like()))
+    pc.q = nn.Parameter(self._widen(pc.of(raw(p)), None if bits is None else pc.of(bits), like()))
     pc.q.grad = like().copy_(pc.of(p.grad))
     pc.st = piece_state(pc, st, ws)
 
@@ -218,13 +237,13 @@ def _narrow_piece(self:LeanMasters, pc):
     if pc.q is None: return  # not widened: the step raised before it
     if pc.q is p: sts[p] = pc.st; return  # torch's `step` took it out of its state
     bits = self._bits(p)
-    rand = self.ws.take(pc.numel, p).view(torch.int32).as_strided(pc.q.shape, pc.q.stride()) if self.mode == 'stochastic' else None
-    self._narrow(pc.q.data, pc.of(p.data), None if bits is None else pc.of(bits), rand)
+    self._narrow(pc.q.data, pc.of(raw(p)), None if bits is None else pc.of(bits), stepped=True)
     put_state(pc, sts[p], torch.bfloat16 if self.opt_states == 'bf16' else torch.float32, self.ws)
 
 @patch
 def step(self:LeanMasters, opt):
     "One step of `opt` on the fp32 values: the params it steps widened a chunk at a time into fp32 stand-ins, stepped, and put back"
+    self.writes.settle_all()  # what user code wrote since the last step: the step starts from it
     if self.mode == 'stochastic':
         dev = next((p.device for p in self.ps), torch.device('cpu'))
         if self.gen is None or self.gen.device != dev: self.gen = torch.Generator(device=dev)
@@ -243,6 +262,7 @@ def step(self:LeanMasters, opt):
                 step_pieces(opt, ch, self.fused)
             finally:  # put back even if the step raised: no param is left half-way
                 for pc in ch: self._narrow_piece(pc); pc.q = pc.st = None  # a first step's new slice states go now, not at the step's end
+    self.writes.stepped()
 
 def use_lean_masters(opt, # the fit's optimizer
                      lean:LeanMasters, # made for it (`begin`)

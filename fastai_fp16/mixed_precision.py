@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_mixed_precision.ipynb #15c74dcf
 from __future__ import annotations
-import math, warnings
+import inspect, math
 from contextlib import contextmanager
 import torch
 import torch.distributed as dist
@@ -15,27 +15,24 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
-from .scaler import _scaler_for, _count_skip
+from .scaler import _scaler_for, _count_skip, older_names
+from .report import SmoothedLoss, skip_summary, is_logging, warn_user
 from .buffer_guard import BufferGuard
 from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
 from .window import _gan, _cast_io, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
+from .lean_in_flight import LeanInFlight
 from .masters import LeanMasters, check_masters, _lean_for, _step_lean
 
 # %% auto #0
 __all__ = ['MixedPrecision']
 
 # %% ../nbs/02_mixed_precision.ipynb #4e07e4b9
-_retired = dict(
-    flat_master="flat_master=True was retired: the optimizer steps the model's own fp32 params. Leave it out (the default, False).",
-    keep_master_grads="keep_master_grads was retired: the backward accumulates into the params' own fp32 grads, as autograd "
-                      "does in an fp32 fit, and nothing is kept between steps. Leave it out (the default, None).")
-
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean = False, None, None, True, None, (), None, None, None, False, None, (), None
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth = False, None, None, True, None, (), None, None, None, False, None, (), None, None
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks, self.rest = dt, mth, dt == torch.float32, [], None
 
 class MixedPrecision(Callback):
@@ -56,23 +53,21 @@ class MixedPrecision(Callback):
         min_scale:float=1., # floor of the scale; an overflow at it raises `LossScaleError`
         max_scale:float=2.**24, # ceiling of the scale
         master_weights:bool=True, # fp32 params that the optimizer steps; False: the model is half for the whole fit
-        flat_master:bool=False, # retired (must be False)
         clip:float|None=None, # max global norm of the unscaled fp32 grads (as fastai's `GradientClip`, which works too)
         loss_fp32:bool=True, # cast predictions to fp32 before the loss
         max_consecutive_skips:int|None=100, # raise `LossScaleError` after this many skipped steps in a row
-        keep_master_grads:None=None, # retired (must be None)
         guard_buffers:bool|str=True, # a skipped step puts back the buffers its forward updated (`BufferGuard`); 'all': every buffer
         fused_step:bool|None=None, # step fastai's `Adam` in torch's fused kernel; None: where it can
         masters:str='fp32', # bf16's fp32 masters: 'fp32' (the params), or in fewer bytes: 'split', 'kahan', 'stochastic' (`LeanMasters`)
         opt_states:str='fp32', # with lean `masters`, the optimizer's averages at rest: 'fp32' or 'bf16'
+        **older # the study's, fastai's older and apex's names (`loss_scale`, `scale_wait`...): read as ours (`older_names`); `flat_master`, `keep_master_grads`: retired
     ):
         self._scaler_kw = dict(init_scale=init_scale, dynamic=dynamic, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
                                max_consecutive_skips=max_consecutive_skips)
+        if older: self._scaler_kw = older_names(older, self._scaler_kw, inspect.signature(MixedPrecision).parameters)
         self.scaler, self._scaler_dtype = self._make_scaler(torch.float16), torch.float16  # fp16's until a fit says otherwise
         self._make_scaler(torch.bfloat16)  # bad settings fail now, whichever dtype they would meet
-        if flat_master: raise ValueError(_retired['flat_master'])
-        if keep_master_grads is not None: raise ValueError(_retired['keep_master_grads'])
         if clip is not None and not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
             raise ValueError(f"clip is a max gradient norm: a finite number > 0 (or None: no clipping), got {clip}.")
         if guard_buffers not in (True, False, 'all'): raise ValueError(f"guard_buffers is True, False or 'all', got {guard_buffers!r}.")
@@ -88,8 +83,8 @@ class MixedPrecision(Callback):
         if d == self._scaler_dtype: return
         old, new = self.scaler, self._make_scaler(d)
         if old.state_dict() != self._make_scaler(self._scaler_dtype).state_dict():  # not fresh: say what is dropped
-            warnings.warn(f"The loss scaler's state ({old}) is a {self._scaler_dtype} run's (a checkpoint's, or an earlier fit's); "
-                          f"this fit runs {d}, so it starts {d}'s own ({new}).", stacklevel=3)
+            warn_user(f"The loss scaler's state ({old}) is a {self._scaler_dtype} run's (a checkpoint's, or an earlier fit's); "
+                      f"this fit runs {d}, so it starts {d}'s own ({new}).")
         self.scaler, self._scaler_dtype = new, d
 
     @property
@@ -128,6 +123,7 @@ class MixedPrecision(Callback):
         gan = _gan(self.learn)
         if gan is not None: r.gan = [gan[0].generator, gan[0].critic]
         if self.masters != 'fp32' and _in_fit(self.learn): r.lean = _lean_for(self, r)  # params bf16 at rest, before DDP wraps them
+        if r.lean and r.mth._run is not None: r.mth._run.lean = LeanInFlight(r.lean)  # exact fp32 values for what computes in fp32
 
     def _fly(self):
         "The window opens: the model computes in half (its params cast inside autograd)"
@@ -155,6 +151,8 @@ class MixedPrecision(Callback):
         _raise_pending(self)
         r = self._run
         if r is not None and not r.off and not r.ready: self._setup()
+    def after_train(self):
+        if getattr(self._run, 'smooth', None) is not None: self._run.smooth.put_back()  # before fastai's Recorder logs it
     def before_validate(self):
         if self._run is not None and not self._run.off: self._fly()
     def after_validate(self):
@@ -170,7 +168,7 @@ class MixedPrecision(Callback):
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
         for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
         r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
-        r.rest = _AtRest(self)
+        r.rest, r.smooth = _AtRest(self), SmoothedLoss(learn)
 
     def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are
         (_step_lean if self._run.lean else _step_with)(self._run, opt, dev, self.fused_step, self.master_weights)
@@ -193,6 +191,7 @@ class MixedPrecision(Callback):
                 if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(r.dt)
         if not self.training: return
         m = self.learn.model
+        if r.ready and r.fresh: r.smooth.mark()  # fastai's smoothed loss before this step's batches
         if r.ready and r.fresh and self.guard_buffers:  # at rest, before a step's first forward
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
@@ -262,6 +261,7 @@ class MixedPrecision(Callback):
         old = self.loss_scale
         if overflow or bad_loss:
             _count_skip(self, bool(bad_loss))
+            if bad_loss: r.smooth.skipped()  # the table's train_loss leaves this step's batches out
             if r.guard is not None: r.guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
             finally: self._refresh_inv_scale(old)
@@ -290,9 +290,8 @@ class MixedPrecision(Callback):
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
         if self._depth > 0: return
-        if self.skipped and getattr(self._run, 'ready', False):
-            self.learn.logger(f"fastai_fp16: {self.skipped} steps skipped: {self.skipped_overflow} on gradient overflow "
-                              f"(the loss scale's search), {self.skipped_bad_loss} on an inf/NaN loss")
+        if getattr(self._run, 'ready', False) and is_logging(self.learn):  # text below the table, not a row for fastai's loggers
+            if (line := skip_summary(self.skipped, self.skipped_overflow, self.skipped_bad_loss)): print(line)
         self._fp16_cleanup()
 
     def _fp16_cleanup(self):

@@ -4,8 +4,8 @@
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a003
 from __future__ import annotations
-import functools, threading
-import torch, torch.nn as nn
+import functools, inspect, threading
+import torch, torch.nn as nn, torch.nn.functional as F
 
 # %% auto #0
 __all__ = ['autocast_ok', 'autocast_hooks', 'autocast_off', 'autocast_off_hooks']
@@ -120,3 +120,33 @@ def _applying(apply):
 
 if not getattr(_AC.__enter__, '_fp16', False): _AC.__enter__, _AC.__exit__ = _region_enter(_AC.__enter__), _region_exit(_AC.__exit__)
 if not getattr(nn.Module._apply, '_fp16', False): nn.Module._apply = _applying(nn.Module._apply)
+
+# %% ../nbs/01c_op_policy.ipynb #c1c0a0a2
+# ops on none of autocast's lists that need one dtype for their data and the model's tensors: their data (position, name) and
+# the arguments that take the model's tensors
+_one_dtype = dict(embedding_bag=((8, 'per_sample_weights'), ('weight',)), layer_norm=((0, 'input'), ('weight', 'bias')),
+                  group_norm=((0, 'input'), ('weight', 'bias')), batch_norm=((0, 'input'), ('running_mean', 'running_var', 'weight', 'bias')),
+                  instance_norm=((0, 'input'), ('running_mean', 'running_var', 'weight', 'bias')))
+_wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64)}
+
+def _widening(f, data:tuple, model:tuple):
+    "`f` that takes the fp32 sources of the window's half tensors (`fp32_of`) when its `data` comes wider than them"
+    sig, (i, name) = inspect.signature(f), data
+    def wide(w, args, kwargs):
+        ba = sig.bind(*args, **kwargs)
+        for n in model:
+            t = ba.arguments.get(n)
+            if isinstance(t, torch.Tensor) and t.dtype == w.dt and (s := w.fp32_of(t)) is not None: ba.arguments[n] = s
+        return f(*ba.args, **ba.kwargs)
+    @functools.wraps(f)
+    def g(*args, **kwargs):
+        w = getattr(_tls, 'w', None)  # a call outside a fit's window costs this and no more
+        if w is not None and w.up and not w.fp32:
+            x = args[i] if len(args) > i else kwargs.get(name)
+            if x is not None and x.dtype in _wider.get(w.dt, ()): return wide(w, args, kwargs)
+        return f(*args, **kwargs)
+    g._fp16 = True
+    return g
+
+for _n,(_d,_m) in _one_dtype.items():  # `nn.LayerNorm`... call them through `F`, found at each call
+    if not getattr(getattr(F, _n), '_fp16', False): setattr(F, _n, _widening(getattr(F, _n), _d, _m))

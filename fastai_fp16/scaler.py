@@ -4,11 +4,12 @@
 
 # %% ../nbs/01_scaler.ipynb #4a45fa6e
 from __future__ import annotations
-import math, numbers, warnings
+import difflib, math, numbers
 import torch
+from .report import warn_user
 
 # %% auto #0
-__all__ = ['LossScaleError', 'LossScaler']
+__all__ = ['LossScaleError', 'LossScaler', 'older_names']
 
 # %% ../nbs/01_scaler.ipynb #42b59ebd
 class LossScaleError(RuntimeError):
@@ -142,6 +143,65 @@ def _count_skip(mp, # the `MixedPrecision` whose step was skipped
     r = mp._run
     if r.said: return
     r.said = True
-    warnings.warn(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
-                  "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
-                  "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", stacklevel=3)
+    warn_user(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
+              "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
+              "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.")
+
+# %% ../nbs/01_scaler.ipynb #5c0a1e05
+# what the study (fastai2's `NonNativeMixedPrecision`), fastai v1's `to_fp16`, apex and DeepSpeed called the settings
+_renamed = dict(min_loss_scale='min_scale', scale_wait='growth_interval', max_noskip='growth_interval',
+                scale_window='growth_interval', loss_scale_window='growth_interval')
+_retired = dict(  # the study's master-copy settings: nothing to set, the optimizer steps the model's own fp32 params
+    flat_master=(False, "flat_master=True was retired: the optimizer steps the model's own fp32 params. Leave it out (the default, False)."),
+    keep_master_grads=(None, "keep_master_grads was retired: the backward accumulates into the params' own fp32 grads, as autograd "
+                             "does in an fp32 fit, and nothing is kept between steps. Leave it out (the default, None)."))
+_refused = dict(
+    amp_mode="`amp_mode` is fastai's `to_fp16` argument: the dtype is `to_half`'s first argument, `learn.to_half('fp16')` or `'bf16'`.",
+    enabled="`enabled` is GradScaler's switch: leave `to_half` out (or `learn.to_float()`) to train in fp32.",
+    opt_level="`opt_level` is apex's: `learn.to_half('fp16')` is O2's mixed precision (fp32 masters, fp32 BatchNorm, dynamic scale).")
+
+def _scale_from(k, v)->dict:
+    "`loss_scale`/`static_loss_scale`/`initial_scale_power`/`div_factor`/`dynamic_loss_scale` as our settings"
+    if k == 'loss_scale':  # a number (the study's, fastai v1's, apex's) or apex's 'dynamic'
+        if v == 'dynamic': return dict(dynamic=True)
+        if _num(v) and v > 0: return dict(init_scale=float(v))
+        raise ValueError(f"loss_scale (the study's and fastai's older name for init_scale) must be a finite number > 0 or "
+                         f"'dynamic', got {v!r}. Write `init_scale=...` (and `dynamic=True` or `False`).")
+    if k == 'static_loss_scale': return dict(init_scale=v, dynamic=False)
+    if k == 'initial_scale_power': return dict(init_scale=2.**v)
+    if k == 'dynamic_loss_scale': return dict(dynamic=v)
+    if _num(v) and v > 1: return dict(growth_factor=float(v), backoff_factor=1/v)  # div_factor: the study grows and backs off by it
+    raise ValueError(f"div_factor (the study's name) must be a finite number > 1, got {v!r}. Write `growth_factor=2., backoff_factor=.5`.")
+
+def older_names(older:dict, # settings given by older names (and any unknown ones)
+                given:dict, # ours, as given (the unset ones at their defaults)
+                params:dict, # the signature's parameters: our names (for the unknown) and defaults (for what is given twice)
+               )->dict: # `given`, with `older` read into it
+    "The study's, fastai's older and apex's names for the loss scaler's settings read as ours (said once a call); others refused with ours named"
+    ours = tuple(k for k,v in params.items() if v.kind != v.VAR_KEYWORD)
+    res, said = {}, {}
+    for k, v in older.items():
+        if k in _retired:
+            if v != _retired[k][0]: raise ValueError(_retired[k][1])
+            continue  # its old default: what happens anyway
+        if k in _refused: raise TypeError(_refused[k])
+        elif k in _renamed: new = {_renamed[k]: v}
+        elif k == 'max_loss_scale': new = dict(max_scale=v)  # the study's cap, and its start (below)
+        elif k in ('loss_scale', 'static_loss_scale', 'initial_scale_power', 'dynamic_loss_scale', 'div_factor'): new = _scale_from(k, v)
+        else:
+            close = difflib.get_close_matches(k, ours, n=1)
+            raise TypeError(f"Unknown argument {k!r}" + (f": did you mean {close[0]!r}?" if close else ".")
+                            + f" The settings are: {', '.join(ours)}.")
+        for a, b in new.items():
+            if a in res and res[a] != b: raise TypeError(f"{a} is given twice, by {k!r} and by another name: give it once, as {a}.")
+            res[a] = b
+        said[k] = new
+    if 'max_loss_scale' in said and 'init_scale' not in res and given['init_scale'] == params['init_scale'].default:
+        res['init_scale'] = said['max_loss_scale']['init_scale'] = float(older['max_loss_scale'])  # the study's dynamic scale started there
+    for k in res:
+        if given[k] != params[k].default: raise TypeError(f"{k} is given twice: as {k} and by an older name. Give it once, as {k}.")
+    if said: warn_user("fastai_fp16 read the older names (the study's, fastai's, apex's) " + '; '.join(
+        f"`{k}={older[k]!r}` as " + ', '.join(f'`{a}={b!r}`' for a,b in new.items()) for k,new in said.items()) + ": write ours to "
+        "silence this." + (" A dynamic scale (fp16's default) starts at init_scale and moves: `dynamic=False` keeps it fixed, as the "
+                           "study's `loss_scale` was." if 'init_scale' in res and 'dynamic' not in res else ""))
+    return {**given, **res}

@@ -69,3 +69,14 @@ def moved_alike(a, b, w0, tol=0.2):
         n, nr = torch.linalg.vector_norm(d), torch.linalg.vector_norm(r)
         if nr < 1e-6: assert n < 1e-4, (n, nr); continue  # a param fp32 barely moved (BatchNorm's at these lrs)
         assert abs(n / nr - 1) < tol and torch.linalg.vector_norm(d - r) < tol * nr, (n, nr)
+
+class InForward(Callback):
+    "`f(learn)` read as the forward of `mod(learn.model)` starts (where `to_half`'s casts are: a module holds them only inside its forward), at training batches (`valid`: all); the results in `seen`"
+    order = 20
+    def __init__(self, mod, f, valid=False): self.mod, self.f, self.valid = mod, f, valid
+    def before_fit(self):
+        self.seen = set()
+        self.h = self.mod(self.learn.model).register_forward_pre_hook(lambda m, a: self._see())
+    def _see(self):
+        if self.training or self.valid: self.seen.add(self.f(self.learn))
+    def after_fit(self): self.h.remove()

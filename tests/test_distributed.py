@@ -53,8 +53,9 @@ def test_ranks_seeded_apart_end_identical(dtype, port):
 
 @pytest.mark.parametrize('masters,port', [('split', 29541), ('kahan', 29542), ('stochastic', 29543)])
 def test_lean_masters_ranks_end_identical(masters, port):
-    "Lean masters: DDP broadcasts rank 0's bf16 params, the first batch its low bits or compensation; stochastic rounding draws alike"
+    "Lean masters: DDP broadcasts rank 0's bf16 params, the first batch its low bits or compensation; stochastic rounding draws alike; a pruning callback's writes land alike"
     a, b = _run('bf16', port, masters)
+    assert a['pruned'] is True and b['pruned'] is True  # every pruned weight exactly 0 on both ranks (split before issue 48: NaN)
     assert a['skipped'] == b['skipped'] == 2  # the NaN on rank 1 skipped the step on both
     assert a['dtypes'] == b['dtypes'] == {torch.float32}  # fp32 after the fit
     assert a['reduced'] == b['reduced'] == {torch.bfloat16, torch.float32}

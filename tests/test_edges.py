@@ -53,10 +53,10 @@ def test_a_parts_state_dict_during_a_fit_holds_fp32_values(dtype):
     class PartState(Callback):
         order = 20
         def after_epoch(self): self.part = {k: v.clone() for k,v in self.model[0].state_dict().items()}
-        def after_pred(self): self.dtypes = {p.dtype for p in self.model[0].parameters()}
-    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=(ps := PartState())).to_half(dtype)
+    seen = InForward(lambda m: m[0], lambda l: tuple(p.dtype for p in l.model[0].parameters()))
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ps := PartState(), seen]).to_half(dtype)
     _quiet_fit(learn, 2, 1e-2)
-    assert ps.dtypes == {half_dtype(dtype)}  # the part computed in half
+    assert seen.seen == {(half_dtype(dtype),) * 2}  # the part computed in half
     assert {v.dtype for v in ps.part.values()} == {torch.float32}
     for n,p in learn.model[0].named_parameters(): assert torch.equal(ps.part[n], p)  # the fit's last values
 

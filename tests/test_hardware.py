@@ -5,7 +5,7 @@ from fastai.callback.core import Callback
 from fastai.losses import CrossEntropyLossFlat
 from fastai_fp16.all import *
 from fastai_fp16.core import synth_dls, tiny_model
-from helpers import dls_from, params, fp32_everywhere
+from helpers import dls_from, params, fp32_everywhere, InForward
 
 def conv_net(seed=0):
     torch.manual_seed(seed)
@@ -15,15 +15,21 @@ def conv_dls(seed=0):
     g = torch.Generator().manual_seed(seed)
     return dls_from(torch.rand(40, 3, 8, 8, generator=g), torch.randint(0, 2, (40,), generator=g), bs=8, n_valid=8)
 
+def _patched(m)->bool:
+    "Whether fp32 math patched `m`'s forward (under the window's own wrapper, if any)"
+    f = m.__dict__.get('forward')
+    f = getattr(f, '__wrapped__', f)
+    return f is not None and getattr(f, '__func__', None) is not type(m).forward
+
 class Seen(Callback):
     "The dtypes of the conv weight and input, and whether the conv layer was patched, at each training batch"
     order = 20
     def before_fit(self):
         self.got, self.x = set(), None
-        self.h = self.model[0].register_forward_pre_hook(lambda m, a: setattr(self, 'x', a[0].dtype))  # the input the layer gets
+        self.h = self.model[0].register_forward_pre_hook(lambda m, a: setattr(self, 'x', (m.weight.dtype, a[0].dtype)))  # what the layer computes with
     def after_pred(self):
         m = self.model[0]
-        self.got.add((m.weight.dtype, self.x, '_conv_forward' in m.__dict__, 'forward' in self.model[5].__dict__))
+        self.got.add((*self.x, '_conv_forward' in m.__dict__, _patched(self.model[5])))
     def after_fit(self): self.h.remove()
 
 def fit(learn, n=1, lr=1e-2, **kw):
@@ -108,13 +114,9 @@ def test_dtype_names_any_case():
 def test_inference_without_fast_kernels_runs_fp32():
     "Outside a fit (validate, get_preds) a dtype without fast kernels here runs fp32; with them, half"
     learn = fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half('bf16'))
-    class Dt(Callback):
-        order = 20
-        def before_fit(self): self.got = set()
-        def after_pred(self): self.got.add(self.model[0].weight.dtype)
     for cls, dt in (('avx2', torch.float32), ('avx512_bf16', torch.bfloat16)):
-        with assume_capabilities(cpu_caps(cls)): learn.validate(cbs=(d := Dt()))
-        assert d.got == {dt}, (cls, d.got)
+        with assume_capabilities(cpu_caps(cls)): learn.validate(cbs=(d := InForward(lambda m: m[0], lambda l: l.model[0].weight.dtype, valid=True)))
+        assert d.seen == {dt}, (cls, d.seen)
 
 def test_auto_scale_follows_the_dtype():
     "'auto' loss scaling: static 1 for bf16, dynamic from 2**16 for fp16 (on a GPU of compute capability 7.x)"

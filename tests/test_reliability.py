@@ -294,14 +294,9 @@ def test_export_loads_without_fastai_fp16(dtype):
     with torch.no_grad(): expected = learn.model.eval()(x[3:4])[0]
     assert torch.allclose(torch.tensor(got['pred']), expected, atol=1e-6), (got['pred'], expected)
 
-class _Dtypes(Callback):
-    "The dtypes of the model's weights and of BatchNorm's params and running stats in the training forwards"
-    order = 20
-    def before_fit(self): self.seen = set()
-    def after_pred(self):
-        if not self.training: return
-        bn = self.model[1]
-        self.seen.add((self.model[0].weight.dtype, bn.weight.dtype, bn.running_var.dtype))
+def _Dtypes():
+    "The dtypes of the first layer's weight and of BatchNorm's params and running stats in the training forwards, each read inside its forward"
+    return InForward(lambda m: m[0], lambda l: (l.model[0].weight.dtype, l.model[1].weight.dtype, l.model[1].running_var.dtype))
 
 @pytest.mark.parametrize('made,dtype', [(torch.float16, 'fp16'), (torch.float16, 'bf16'), (torch.bfloat16, 'fp16')])
 def test_half_model_is_made_fp32_first(made, dtype):

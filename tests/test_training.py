@@ -193,11 +193,8 @@ class _Count(nn.Module):
         if self.training: self.n += 1
         return self.lin(x)
 
-class _Seen(Callback):
-    order = 20
-    def before_fit(self): self.dtypes = set()
-    def after_pred(self):  # in flight: the model computes in half
-        if self.training: self.dtypes.add((self.model[0].lin.weight.dtype, self.model[1][0].weight.dtype))
+def _Seen():  # in flight: each layer computes with its cast, read inside its forward
+    return [InForward(lambda m: m[0].lin, lambda l: l.model[0].lin.weight.dtype), InForward(lambda m: m[1][0], lambda l: l.model[1][0].weight.dtype)]
 
 @pytest.mark.parametrize('keep', [None, '0.n', '0', _Count])
 def test_keep_fp32_keeps_updated_buffers_exact(keep):
@@ -207,7 +204,7 @@ def test_keep_fp32_keeps_updated_buffers_exact(keep):
     learn.to_half('bf16', keep_fp32=keep).fit(2, 1e-2)   # 3 training batches per epoch
     n = learn.model[0].n
     assert n.dtype == torch.float32 and n == (256. if keep is None else 262.)
-    assert spy.dtypes == {(torch.float32 if keep in ('0', _Count) else torch.bfloat16, torch.bfloat16)}  # a kept module runs fp32
+    assert [s.seen for s in spy] == [{torch.float32 if keep in ('0', _Count) else torch.bfloat16}, {torch.bfloat16}]  # a kept module runs fp32
     assert fp32_everywhere(learn) and not any(m._forward_hooks or m._forward_pre_hooks for m in learn.model.modules())
 
 def test_keep_fp32_unknown_name_is_a_clear_error():

@@ -136,15 +136,17 @@ class OffHead(nn.Module):
 
 class Spy(Callback):
     order = 20
+    def before_fit(self): self.h = self.model.body.register_forward_pre_hook(lambda m, a: setattr(self, 'body', m.weight.dtype))
     def after_pred(self):
-        if self.training: self.seen = (self.model.seen, self.pred.dtype, self.model.body.weight.dtype)
+        if self.training: self.seen = (self.model.seen, self.pred.dtype, self.body)
+    def after_fit(self): self.h.remove()
 
 @dtypes
 def test_autocast_off_in_the_model_computes_fp32(dtype):
     spy = Spy()
     trains_as_fp32(OffHead, dtype, cbs=lambda: [spy])  # the raw two-dtypes error before
     half = torch.bfloat16 if dtype == 'bf16' else torch.float16
-    # inside the region: the head's fp32 params (all of the model's), autocast off; after it the casts again
+    # inside the region: the head's fp32 params (all of the model's), autocast off; the body computed with its cast
     assert spy.seen == ((torch.float32, torch.float32, False), torch.float32, half), spy.seen
 
 class SAM(Callback):
@@ -207,11 +209,14 @@ class LazyNet(nn.Module):
 class LazySpy(Callback):
     "The lazy weight's dtype at each training batch; every param as the first forward made it (in fp32, where none is cast)"
     order = 20
-    def before_fit(self): self.seen, self.w0 = [], None
+    def before_fit(self):
+        self.seen, self.w0 = [], None
+        self.h = self.model.a.register_forward_pre_hook(lambda m, a: setattr(self, 'a', m._parameters['weight'].dtype))
     def after_pred(self):
         if not self.training: return
-        self.seen.append(self.model.a._parameters['weight'].dtype)
+        self.seen.append(self.a)  # as the lazy layer computed: read inside its forward
         if self.w0 is None: self.w0 = [p.detach().float().clone() for p in self.model.parameters()]
+    def after_fit(self): self.h.remove()
 
 @dtypes
 def test_lazy_module(dtype):

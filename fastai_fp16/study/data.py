@@ -85,10 +85,11 @@ def imagenette_dls(size:int=160, # final image size
     return folder_dls(path, size=size, bs=bs, item_size=item_size, **kwargs)
 
 # %% ../../nbs/study/10_data.ipynb #741a99ad
-def digits_folder(path:str|Path|None=None, # cache folder (default: fastai's data folder / 'digits')
+def digits_folder(path:str|Path|None=None, # cache folder (default: fastai's data folder, `~/.fastai/data/digits`)
                  )->Path: # the folder, with `train/<digit>/*.png` and `val/<digit>/*.png`
     "scikit-learn's digits as an Imagenette-style folder, written once"
-    path = Path(ifnone(path, fastai_path('data')/'digits'))
+    # `fastai_path` only without a path: it writes `~/.fastai/config.ini` the first time (`ifnone` would call it anyway)
+    path = Path(path) if path is not None else fastai_path('data')/'digits'
     if (path/'.complete').exists(): return path
     from sklearn.datasets import load_digits
     d = load_digits()
@@ -104,7 +105,7 @@ def digits_folder(path:str|Path|None=None, # cache folder (default: fastai's dat
 
 def digits_dls(size:int=32, # final image size (the digits are 8x8, upscaled)
                bs:int=64, # batch size
-               path:str|Path|None=None, # cache folder (see `digits_folder`)
+               path:str|Path|None=None, # cache folder (default: `~/.fastai/data/digits`, see `digits_folder`)
                aug:dict|None=None, # `aug_transforms` kwargs (default: small rotations and zooms, no flips)
                num_workers:int=0, # small images: workers cost more than they save
                **kwargs # more `folder_dls` kwargs

@@ -239,16 +239,18 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     return res
 
 # %% ../../nbs/study/12_ladder.ipynb #f1b53fc0
+# each recipe its own colour in every plot (13 recipes once shared 10): fp16 without masters warm, bf16 green-blue; fp32 black
+_colours = dict(fp32='#000000', fp16_pure='#e6194b', fp16_bn32='#f58231', fp16_loss32='#9a6324', fp16_static_nomaster='#800000',
+                fp16_master='#4363d8', bf16_nomaster='#f032e6', bf16_master='#3cb44b', bf16_split='#469990', bf16_kahan='#808000',
+                bf16_stochastic='#17becf', fastai_native='#911eb4', nvidia_static128='#000075', nvidia_tf_cnn='#8c8c8c')
 _tab10 = ('#1f77b4','#ff7f0e','#2ca02c','#d62728','#9467bd','#8c564b','#e377c2','#7f7f7f','#bcbd22','#17becf')
-_markers = 'sD^v<>pXPh*o'
+_markers = 'osD^v<>pXPh*dH8'
 
 def recipe_style(name:str)->dict:
     "Colour and marker of recipe `name`, the same in every plot (fp32, the reference: black circles)"
-    if name == 'fp32': return dict(color='black', marker='o')
-    names = [n for n in RECIPES if n != 'fp32']
-    # fixed by the registration order, not matplotlib's colour cycle; a name never registered gets one from its hash
-    i = names.index(name) if name in names else zlib.crc32(name.encode())
-    return dict(color=_tab10[i % len(_tab10)], marker=_markers[i % len(_markers)])
+    # fixed, not matplotlib's colour cycle; a recipe of yours gets a colour from its name's hash (which may be taken)
+    i = list(RECIPES).index(name) if name in RECIPES else zlib.crc32(name.encode())
+    return dict(color=_colours.get(name) or _tab10[i % len(_tab10)], marker=_markers[i % len(_markers)])
 
 def _curve(ax, k:int, m:int, n:int, name:str, x, y, label:str|None=None, step:bool=False):
     "Curve `k` of `m` (of up to `n` points) in `name`'s style, its markers shifted from the other curves'"
@@ -256,50 +258,50 @@ def _curve(ax, k:int, m:int, n:int, name:str, x, y, label:str|None=None, step:bo
     return ax.plot(x, y, label=label or name, markevery=(k*every//max(m,1), every), ms=5, lw=1.3, alpha=.9,
                    drawstyle='steps-post' if step else 'default', **recipe_style(name))
 
-def _axes(ax, two:bool, height:float):
-    import matplotlib.pyplot as plt
-    if ax is not None: return ax
-    return plt.subplots(2, 1, figsize=(7,height), sharex=True, gridspec_kw=dict(height_ratios=(3,2)))[1] if two else plt.subplots(figsize=(7,4))[1]
-
 def plot_losses(res:pd.DataFrame, # `compare`'s result
                 skip_start:int=0, # steps to leave out at the start
-                ax=None, # an Axes (the losses only) or two (losses, differences); default: new ones
+                fig=None, # a matplotlib `Figure` to draw in (resized to fit); default: a new pyplot one
                 log:bool=False, # the losses on a log scale
-                diff:bool=True, # the difference panel, where fp32 and another recipe ran
-               ):
-    "Training loss of every recipe of `res` and, below, each one's difference to fp32's: the Axes, or the two"
-    losses = res.attrs['losses']
+                diff:bool=True, # first a small panel for each recipe: its loss minus fp32's (where fp32 ran)
+                ncols:int=4, # difference panels in a row
+               )->tuple: # the losses' Axes, and the difference panels' (a list)
+    "Each recipe's training loss minus fp32's, a panel each (the others grey), then every recipe's loss in one plot"
+    if fig is None: import matplotlib.pyplot as plt; fig = plt.figure()
+    losses, diverged = res.attrs['losses'], lambda nm: ' (diverged)' if res.loc[nm,'diverged'] else ''
     ref = np.asarray(losses.get('fp32', []), dtype=float)
-    diff = diff and len(ref) > 0 and any(len(v) for n,v in losses.items() if n != 'fp32') and (ax is None or np.ndim(ax) == 1)
-    ax = _axes(ax, diff, 6.5)
-    lax, dax = (ax[0], ax[1]) if np.ndim(ax) == 1 else (ax, None)
-    n, m = max(map(len, losses.values()), default=0), len(losses)
-    for k,(nm,ls) in enumerate(losses.items()):
-        _curve(lax, k, m, n, nm, range(skip_start, len(ls)), ls[skip_start:], nm + (' (diverged)' if res.loc[nm,'diverged'] else ''))
-    lax.set(xlabel='' if diff else 'step', ylabel='train loss (smoothed)', title=f"bs {res.attrs['bs']}, {res.attrs['epochs']} epoch(s)")
-    if log: lax.set_yscale('log')
-    lax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5))
-    if not diff: return lax
-    dax.axhline(0, color='black', lw=1)  # fp32 itself
-    ds = []
-    for k,(nm,ls) in enumerate(losses.items()):
-        if nm == 'fp32': continue
-        d = np.asarray(ls, dtype=float)[:len(ref)] - ref[:len(ls)]
-        d[~np.isfinite(d)] = np.nan  # a diverged recipe: its losses above say so
-        _curve(dax, k, m, n, nm, range(skip_start, len(d)), d[skip_start:]); ds.append(d[skip_start:])
+    # rungs that train alike lie on top of each other in one plot: apart, each against fp32 and the rest in grey
+    ds = {nm: np.asarray(ls, dtype=float)[:len(ref)] - ref[:len(ls)] for nm,ls in losses.items() if nm != 'fp32' and len(ls)} if diff and len(ref) else {}
+    for d in ds.values(): d[~np.isfinite(d)] = np.nan  # a diverged recipe: its losses below say so
+    rows, n, m = -(-len(ds) // ncols), max(map(len, losses.values()), default=0), len(losses)
+    h = 1.8*rows + 3.4; fig.set_size_inches(10 if rows else 7, h)
+    gs, daxs = fig.add_gridspec(rows + 1, ncols, height_ratios=[1]*rows + [2.2], hspace=.4, wspace=.08, top=1-.65/h), []
+    for i,(nm,d) in enumerate(ds.items()):
+        ax = fig.add_subplot(gs[i // ncols, i % ncols], **(dict(sharex=daxs[0], sharey=daxs[0]) if daxs else {}))
+        for o,e in ds.items():
+            if o != nm: ax.plot(range(skip_start, len(e)), e[skip_start:], color='0.85', lw=.7)
+        ax.axhline(0, color='black', lw=.8)  # fp32 itself
+        _curve(ax, 0, 1, n, nm, range(skip_start, len(d)), d[skip_start:])
+        ax.set_title(nm + diverged(nm), color=recipe_style(nm)['color'], fontsize='small', pad=2)
+        ax.tick_params(labelsize='x-small', labelleft=i % ncols == 0, labelbottom=i + ncols >= len(ds))
+        if i % ncols == 0: ax.set_ylabel("minus fp32's", fontsize='small')
+        daxs.append(ax)
     # small differences next to large ones (another optimizer, a diverged run): linear near 0, log beyond
-    a = np.abs(np.concatenate(ds)); a = a[np.isfinite(a) & (a > 0)]
-    if len(a): dax.set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=3)
-    dax.set(xlabel='step', ylabel="loss minus fp32's")
-    return lax, dax
+    a = np.abs(np.concatenate([d[skip_start:] for d in ds.values()] or [[]])); a = a[np.isfinite(a) & (a > 0)]
+    if len(a): daxs[0].set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=2)
+    lax = fig.add_subplot(gs[rows, :])
+    for k,(nm,ls) in enumerate(losses.items()): _curve(lax, k, m, n, nm, range(skip_start, len(ls)), ls[skip_start:], nm + diverged(nm))
+    lax.set(xlabel='step', ylabel='train loss (smoothed)', yscale='log' if log else 'linear')
+    lax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5), ncol=1 + (m > 10))
+    fig.suptitle(f"bs {res.attrs['bs']}, {res.attrs['epochs']} epoch(s)" + (": each recipe's loss minus fp32's, then all losses" if daxs else ''), y=1-.2/h)
+    return lax, daxs
 
 def plot_loss_scale(res:pd.DataFrame, # `compare`'s result
                     ax=None):
     "The loss scale over the training steps of every recipe of `res` that scales its loss, on a log axis"
-    ax = _axes(ax, False, 4)
-    sc = {n:s for n,s in res.attrs['scales'].items() if len(s)}
-    n = max(map(len, sc.values()), default=0)
-    for k,(nm,s) in enumerate(sc.items()): _curve(ax, k, len(sc), n, nm, range(len(s)), s, step=True)
+    if ax is None: import matplotlib.pyplot as plt; ax = plt.subplots(figsize=(7,4))[1]
+    sc = {n:s for n,s in res.attrs['scales'].items() if len(s)}; n = max(map(len, sc.values()), default=0)
+    for k,(nm,s) in enumerate(sc.items()):  # the legend says each scale, where lines coincide
+        _curve(ax, k, len(sc), n, nm, range(len(s)), s, f"{nm}: {s[0]:g}" + (f" to {s[-1]:g}" if min(s) != max(s) else ''), step=True)
     ax.set(xlabel='step', ylabel='loss scale', yscale='log', title='Loss scale')
     ax.legend(fontsize='small', loc='center left', bbox_to_anchor=(1, .5))
     return ax

@@ -17,11 +17,11 @@ __all__ = ['study_lean_masters']
 
 # %% ../../nbs/study/13a_lean.ipynb #5e1a9c3d
 class _Masters(Callback):
-    "The fp32 masters before the first step and after each, flat (a split param's: its bf16 value and low bits joined)"
+    "The fp32 masters before the first step and after each, flat (a lean param's: its bf16 value and bits joined)"
     order = 15  # after MixedPrecision's before_fit: the params are lean
     def _w(self):
-        st = self.opt.state
-        return torch.cat([(join_fp32(p.data, st[p]['master_lo']) if 'master_lo' in st[p] else p.detach().float()).flatten()
+        lean = getattr(getattr(self.learn.__dict__.get('mixed_precision'), '_run', None), 'lean', None)
+        return torch.cat([(lean.master(p) if lean is not None else p).detach().float().flatten()
                           for p in self.opt.all_params(with_grad=False).itemgot(0)])
     def before_fit(self): self.masters = [self._w()]
     def after_step(self): self.masters.append(self._w())

@@ -4,27 +4,16 @@
 
 # %% ../../nbs/tools/25_cli.ipynb #e16a1f7d
 from __future__ import annotations
-import contextlib, sys, textwrap, warnings
+import contextlib, importlib, sys, tempfile, textwrap, warnings
 # fastai's import runs `torch.jit.script`, deprecated in torch 2.14: not the user's concern, so not on every command
 warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
 from functools import partial
 from pathlib import Path
-import numpy as np, pandas as pd, torch, fastai
 from fastcore.script import call_parse
-from fastai.learner import Learner
-from fastai.losses import CrossEntropyLossFlat
-from fastai.metrics import accuracy
-from fastai.torch_core import set_seed
-from ..study.data import digits_dls, imagenette_dls
 from .. import __version__
-from ..study.ladder import RECIPES, archs, compare, cudnn_state, plot_losses, plot_loss_scale, _TableLog
-from ..half_model import ModelToHalf
-from ..fit_guard import _find_cb
-from .bench import bench
-from .cli_parser import cli_parser, dashed
-from .doctor import doctor
-from ..study.run import study_cmd
-import fastai_fp16.learner  # patches Learner.to_half
+from .cli_parser import cli_parser, dashed, source_def
+# nothing heavier: `--help`, `help COMMAND` and `COMMAND --help` answer before torch and fastai load (seconds); each
+# command imports what it runs
 _all_ = ['cli_parser', 'dashed']  # still exported from here: they moved to `cli_parser`, below `cli` and `bench`
 
 # %% auto #0
@@ -34,6 +23,7 @@ __all__ = ['CLIError', 'md_table', 'write_results', 'compare_cmd', 'train_cmd', 
 class CLIError(Exception): "A usage error, shown as one line"
 
 def _device(device:str|None)->str:
+    import torch
     if device is None: return 'cuda' if torch.cuda.is_available() else 'cpu'
     if device not in ('cpu','cuda'): raise CLIError(f"--device must be cpu or cuda, got {device!r}.")
     if device == 'cuda' and not torch.cuda.is_available(): raise CLIError("--device cuda, but PyTorch sees no CUDA GPU here.")
@@ -45,19 +35,25 @@ def _fp32_math(v:str):
     if res is None: raise CLIError(f"--fp32-math must be auto, on or off, got {v!r}.")
     return res
 
-def _data(data:str, size:int|None):
-    "(dls_fn, size) for `--data`"
-    if data == 'digits': return digits_dls, size or 32
+def _data(data:str, size:int|None, tmp:str|Path):
+    "(dls_fn, size) for `--data`; the digits' images go into `tmp`, the command's own temporary folder"
+    from fastai_fp16.study.data import digits_dls, imagenette_dls
+    # not `digits_dls`' default, fastai's data folder: a command writes nothing outside its `--out`
+    if data == 'digits': return partial(digits_dls, path=Path(tmp)/'digits'), size or 32
     if data == 'imagenette': return imagenette_dls, size or 160
     if Path(data).is_dir(): return partial(imagenette_dls, path=data), size or 160
     raise CLIError(f"--data must be digits, imagenette or an Imagenette-style folder; {data!r} is none of these.")
 
+# `archs`' names, for `--arch`'s help without importing the ladder (and torch): the tests below check they agree
+_arch_names = ('small_cnn', 'small_cnn_nobn', 'tf_cnn', 'resnet18', 'resnet34', 'resnet50')
+
 def _arch(arch:str|None, data:str, device:str)->str:
     arch = arch or ('resnet50' if device == 'cuda' and data != 'digits' else 'small_cnn')
-    if arch not in archs: raise CLIError(f"Unknown --arch {arch!r}: use any of {', '.join(archs)}.")
+    if arch not in _arch_names: raise CLIError(f"Unknown --arch {arch!r}: use any of {', '.join(_arch_names)}.")
     return arch
 
 def _recipes(recipes:str|None, device:str)->list:
+    from fastai_fp16.study.ladder import RECIPES
     if not recipes: return [n for n in RECIPES if device == 'cuda' or n != 'fastai_native']
     names = [n.strip() for n in recipes.split(',') if n.strip()]
     bad = [n for n in names if n not in RECIPES]
@@ -68,6 +64,7 @@ def _recipes(recipes:str|None, device:str)->list:
 # %% ../../nbs/tools/25_cli.ipynb #49d6bd8a
 def md_table(df:pd.DataFrame, floatfmt:str='.5g')->str:
     "`df` as a markdown table"
+    import numpy as np
     def f(v):
         if isinstance(v, (bool, np.bool_)): return 'yes' if v else 'no'
         if isinstance(v, (float, np.floating)): return '' if np.isnan(v) else format(v, floatfmt)
@@ -79,13 +76,11 @@ def md_table(df:pd.DataFrame, floatfmt:str='.5g')->str:
 def write_results(res:pd.DataFrame, out:str|Path, note:str='')->Path:
     "Write `results.csv`, `results.md`, `losses.png` and `loss_scale.png` into `out`"
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves the backend alone
+    from fastai_fp16.study.ladder import plot_losses, plot_loss_scale
     out = Path(out); out.mkdir(parents=True, exist_ok=True)
     res.to_csv(out/'results.csv')
     (out/'results.md').write_text(md_table(res.drop(columns='error') if not res.error.any() else res) + (f'\n{note}\n' if note else ''))
-    two = 'fp32' in res.attrs['losses'] and len(res.attrs['losses']) > 1  # the differences to fp32's loss below
-    fig = Figure(figsize=(7,6.5) if two else (7,4))
-    plot_losses(res, ax=fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=(3,2))) if two else fig.subplots())
-    fig.savefig(out/'losses.png', dpi=100, bbox_inches='tight')
+    fig = Figure(); plot_losses(res, fig=fig); fig.savefig(out/'losses.png', dpi=100, bbox_inches='tight')  # sized by `plot_losses`
     fig = Figure(figsize=(7,4)); plot_loss_scale(res, ax=fig.subplots()); fig.savefig(out/'loss_scale.png', dpi=100, bbox_inches='tight')
     return out
 
@@ -94,7 +89,7 @@ def _det(deterministic:bool)->str: return f"cuDNN deterministic: {'yes' if deter
 
 @call_parse
 def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every recipe the device can run)
-                data:str='digits', # digits (embedded), imagenette (downloaded) or the path of an Imagenette-style folder
+                data:str='digits', # digits (embedded; its images in a temporary folder), imagenette (downloaded into ~/.fastai/data) or the path of an Imagenette-style folder
                 arch:str=None, # the model (default: small_cnn; resnet50 for Imagenette on a GPU)
                 size:int=None, # image size (default: 32 for digits, 160 for Imagenette)
                 bs:int=64, # batch size
@@ -107,12 +102,15 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
     "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots"
+    import torch, pandas as pd
+    from fastai_fp16.study.ladder import compare
     device = _device(device)
-    dls_fn, size = _data(data, size)
-    arch, names, f32 = _arch(arch, data, device), _recipes(recipes, device), _fp32_math(fp32_math)
-    # progress bars in a terminal; written to a file or a pipe, one line per epoch instead of every bar frame
-    res = compare(names, dls_fn, arch=arch, epochs=epochs, lr=lr, bs=bs, seed=seed, fp32_math=f32, show=True,
-                  bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
+    with tempfile.TemporaryDirectory(prefix='fastai_fp16_') as tmp:  # the digits' images, for this run only
+        dls_fn, size = _data(data, size, tmp)
+        arch, names, f32 = _arch(arch, data, device), _recipes(recipes, device), _fp32_math(fp32_math)
+        # progress bars in a terminal; written to a file or a pipe, one line per epoch instead of every bar frame
+        res = compare(names, dls_fn, arch=arch, epochs=epochs, lr=lr, bs=bs, seed=seed, fp32_math=f32, show=True,
+                      bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
     note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
             f"torch {torch.__version__}.")
@@ -124,7 +122,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
 
 @call_parse
 def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its kernels are fast, else fp16 on a GPU, else fp32), fp16 (fp32 masters, fp32 BatchNorm, dynamic loss scale), bf16 or fp32
-              data:str='digits', # digits (embedded), imagenette (downloaded) or the path of an Imagenette-style folder
+              data:str='digits', # digits (embedded; its images in a temporary folder), imagenette (downloaded into ~/.fastai/data) or the path of an Imagenette-style folder
               arch:str=None, # the model (default: small_cnn; resnet50 for Imagenette on a GPU)
               size:int=None, # image size (default: 32 for digits, 160 for Imagenette)
               bs:int=64, # batch size
@@ -145,19 +143,29 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
     if masters != 'fp32' and precision != 'bf16':
         raise CLIError(f"--masters {masters} keeps bf16's fp32 masters in fewer bytes: add --precision bf16.")
     f32 = _fp32_math(fp32_math)
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.metrics import accuracy
+    from fastai.torch_core import set_seed
+    from fastai_fp16.study.ladder import archs, cudnn_state, _TableLog
+    from fastai_fp16.half_model import ModelToHalf
+    from fastai_fp16.fit_guard import _find_cb
+    import fastai_fp16.learner  # patches Learner.to_half
     device = _device(device)
-    dls_fn, size = _data(data, size)
-    arch = _arch(arch, data, device)
-    set_seed(seed)
-    dls = dls_fn(bs=bs, size=size, device=device)
-    learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
-    if precision != 'fp32': learn.to_half(precision, fp32_math=f32, **({'masters': masters} if masters != 'fp32' else {}))
-    tty = sys.stdout.isatty()
-    # fastai's progress bars and table in a terminal; to a file or a pipe, the table's lines, one an epoch
-    if not tty: learn.logger = _TableLog(learn)
-    with cudnn_state(deterministic), learn.no_bar() if not tty else contextlib.nullcontext():
-        learn.fit_one_cycle(epochs, lr)
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
+    arch, out = _arch(arch, data, device), Path(out)
+    with tempfile.TemporaryDirectory(prefix='fastai_fp16_') as tmp:  # the digits' images, for this run only
+        dls_fn, size = _data(data, size, tmp)
+        set_seed(seed)
+        dls = dls_fn(bs=bs, size=size, device=device)
+        learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+        if precision != 'fp32': learn.to_half(precision, fp32_math=f32, **({'masters': masters} if masters != 'fp32' else {}))
+        tty = sys.stdout.isatty()
+        # fastai's progress bars and table in a terminal; to a file or a pipe, the table's lines, one an epoch
+        if not tty: learn.logger = _TableLog(learn)
+        with cudnn_state(deterministic), learn.no_bar() if not tty else contextlib.nullcontext():
+            learn.fit_one_cycle(epochs, lr)
+    out.mkdir(parents=True, exist_ok=True)
+    learn.path = out.absolute()  # its `save` and `export` once loaded: here, not in the data's (maybe temporary) folder
     learn.export(out.absolute()/'model.pkl')
     mth = _find_cb(learn, ModelToHalf)
     ran = precision + (f" ({mth.plan.kernels})" if mth is not None and getattr(mth, 'plan', None) else '') + (f", {masters} masters" if masters != 'fp32' else '')
@@ -172,25 +180,39 @@ def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
                size:int=None, # micro-benchmark: input height and width (default: 32 on a CPU, 56 on a GPU)
               ):
     "Print the hardware, which half dtypes and memory formats are fast on it (measured) and the `to_half` call to use"
+    from fastai_fp16.tools.doctor import doctor
     bad = [f"--{k} {v}" for k,v,lo in (('channels', channels, 1), ('size', size, 3)) if v is not None and v < lo]
     if bad: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {' and '.join(bad)}.")
     return doctor(_device(device), not no_bench, channels=channels, size=size)
 
 # %% ../../nbs/tools/25_cli.ipynb #a681ba96
-_cmds = dict(compare=compare_cmd, study=study_cmd, train=train_cmd, doctor=doctor_cmd, bench=bench)
-_choices = dict(compare=dict(arch=archs), train=dict(arch=archs))  # listed in `-h` and checked
+# a command's function, or where it lives ('module:function') when that module imports torch: `--help` reads it
+_cmds = dict(compare=compare_cmd, study='fastai_fp16.study.run:study_cmd', train=train_cmd, doctor=doctor_cmd,
+             bench='fastai_fp16.tools.bench:bench')
+_choices = dict(compare=dict(arch=_arch_names), train=dict(arch=_arch_names))  # listed in `-h` and checked
+
+def _options(cmd:str):
+    "The function whose params are `cmd`'s options (undecorated), its module read but not imported"
+    f = _cmds[cmd]
+    return source_def(f) if isinstance(f, str) else f.__wrapped__
+
+def _func(cmd:str):
+    "`cmd`'s function to run (undecorated), its module imported"
+    f = _cmds[cmd]
+    if isinstance(f, str): m, _, n = f.partition(':'); f = getattr(importlib.import_module(m), n)
+    return f.__wrapped__
 
 def _err(msg:str)->str: return f"fastai-fp16: error: {' '.join(str(msg).split())}"
 
 def _parser(cmd:str):
-    p = cli_parser(_cmds[cmd].__wrapped__, prog=f'fastai-fp16 {cmd}', choices=_choices.get(cmd))
+    p = cli_parser(_options(cmd), prog=f'fastai-fp16 {cmd}', choices=_choices.get(cmd))
     def _fail(msg): raise CLIError(msg)
     p.error = _fail  # one line, not argparse's usage and exit
     return p
 
 def _usage()->str:
     "What `fastai-fp16 --help` prints: the commands, a line each"
-    docs = {n:c.__doc__ for n,c in _cmds.items()} | dict(help="This list, or a command's options: fastai-fp16 help COMMAND")
+    docs = {n:_options(n).__doc__ for n in _cmds} | dict(help="This list, or a command's options: fastai-fp16 help COMMAND")
     opts = {'-h, --help': 'this list', '--version': 'the versions of fastai_fp16, fastai and torch'}
     w = max(map(len, [*docs, *opts])) + 4
     fill = lambda n,d: textwrap.fill(d, 100, initial_indent=f"  {n:<{w-2}}", subsequent_indent=' '*w)
@@ -202,15 +224,18 @@ def _usage()->str:
 def main(argv:list|None=None)->int: # exit status
     "The `fastai-fp16` console script: `compare`, `study`, `train`, `doctor`, `bench` or `help`"
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ('-h','--help') or argv == ['help']: print(_usage()); return 0 if argv else 2
-    if argv[0] == '--version': print(f"fastai-fp16 {__version__} (fastai {fastai.__version__}, torch {torch.__version__})"); return 0
-    if argv[0] == 'help': argv = [argv[1], '-h'] + argv[2:]  # `help train`: `train -h`
+    if argv[:1] == ['help']:  # `help` and `help --help`: the list; `help train`: `train -h`
+        argv = [argv[1], '-h'] if argv[1:2] and argv[1] not in ('-h','--help') else ['--help']
+    if not argv or argv[0] in ('-h','--help'): print(_usage()); return 0 if argv else 2
+    if argv[0] == '--version':  # imported: torch's own string names its build (`+cpu`, `+cu130`), its metadata does not
+        import fastai, torch; print(f"fastai-fp16 {__version__} (fastai {fastai.__version__}, torch {torch.__version__})"); return 0
     if argv[0] not in _cmds:
         print(_err(f"unknown command {argv[0]!r}: use {', '.join(_cmds)} (fastai-fp16 --help lists them)."), file=sys.stderr); return 2
     try:
         p = _parser(argv[0])
         if '-h' in argv[1:] or '--help' in argv[1:]: p.print_help(); return 0
-        _cmds[argv[0]].__wrapped__(**vars(p.parse_args(dashed(argv[1:]))))
+        kw = vars(p.parse_args(dashed(argv[1:])))  # a bad option fails here, before the imports
+        _func(argv[0])(**kw)
     except CLIError as e: print(_err(e), file=sys.stderr); return 2
     except KeyboardInterrupt: print(_err("interrupted."), file=sys.stderr); return 130
     except Exception as e:
