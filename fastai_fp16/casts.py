@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .core import cast_floats
 from .fp32math import patch_fp32_math, unpatch_fp32_math
 from .buffer_guard import run_fp32, land_buffers
-from .op_policy import autocast_hooks, _activate
+from .op_policy import autocast_hooks, widening, _activate
 from .owners import owners, attach_missed, compiled
 from .lean_in_flight import LeanInFlight
 
@@ -33,6 +33,8 @@ def _recompute(m:nn.Module, h):
     "The weight attribute of pre-hook `h` recomputed at rest from `m`'s fp32 params (spectral_norm's without a power iteration)"
     if isinstance(h, SpectralNorm): setattr(m, h.name, h.compute_weight(m, do_power_iteration=False))
     else: h(m, ())
+
+_narrow = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding)  # their ops take one dtype of the window's only
 
 class _Casts:
     "A fit's model in flight: each converted param registered as its cast (inside autograd) at its module's first forward, each converted buffer as a half copy; or, `at_rest`, the tensors made half for the whole fit"
@@ -75,6 +77,9 @@ class _Casts:
         at = {id(m._parameters): m for m in ms}
         self.mod_of = [at[id(d)] for d,_,_ in ps]
         self.own = owners(model, self.mod_of)  # which module's forward casts which params (`owners`)
+        # ops that need one dtype widened where a module may feed them the model's half tensors (not torch's convs and linears)
+        bm = {id(m._buffers): m for m in ms}
+        self.widen = any(not isinstance(m, _narrow) for m in [*self.mod_of, *(bm[id(d)] for d,*_ in self.br)])
         self.bsrc = {id(hb): b for _,_,b,hb,_ in self.br}
         self.lean.find(model)  # `masters='split'`...: bf16 params, which the forward uses as they are
         self.by_id = {id(m): m for m in ms}
@@ -134,15 +139,24 @@ class _Casts:
         return off
 
     def _wrapper(self, k:int):
-        "Module `k`'s forward between `_enter` and `_exit` (inlined: it runs at every module call in flight)"
+        "Module `k`'s forward between its casts and its fp32 params back (`_enter` and `_exit` inlined: it runs at each module call)"
         def forward(*args, **kwargs):
             self.called.add(k)
-            idx = None if self.fp32 else self.own.get(k)
-            if idx is not None: self._cast(idx)
-            elif self.fp32: self.lean.stand(k)
+            put, es = [], None if self.fp32 else self.own.get(k)
+            if es is None and self.fp32: self.lean.stand(k)
+            if es is not None:  # as `_cast`, what this call registers kept to put back
+                g, made, reg, pr = torch.is_grad_enabled(), self.made, self.reg, self.pr
+                for i in es:
+                    d, n, p = pr[i]
+                    cur, r = d.get(n), reg.get(i)
+                    if cur is not p and not (r is not None and cur is r[0] and g and not r[1]): continue
+                    c = made.get((id(p), g))
+                    if c is None: c = made[(id(p), g)] = p.to(self.dt); self.src[id(c)] = p
+                    d[n], reg[i] = c, (c, g); put.append((d, n, p, c))
             try: return self.fwd[k](*args, **kwargs)
             finally:
-                if idx is not None: self._uncast(idx)
+                for d, n, p, c in put:
+                    if d.get(n) is c: d[n] = p
                 if self.lean.reg: self.lean.unstand(k)
         return forward
 
@@ -169,6 +183,7 @@ class _Casts:
             on = torch.is_autocast_enabled(self.ops)
             self.undo += [functools.partial(torch.set_autocast_enabled, self.ops, on)] + [h.remove for h in autocast_hooks(model, self.ops, self.dt)]
         self.undo.append(_activate(self))  # autocast regions and `Module._apply` in the model's code come here
+        if self.widen or self.lean.ents: self.undo.append(widening())
         self._register(refresh)
         if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
         if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt, self.ops)]

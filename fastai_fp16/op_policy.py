@@ -8,7 +8,7 @@ import functools, inspect, threading
 import torch, torch.nn as nn, torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['autocast_ok', 'autocast_hooks', 'autocast_off', 'autocast_off_hooks']
+__all__ = ['autocast_ok', 'autocast_hooks', 'autocast_off', 'autocast_off_hooks', 'widening']
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a006
 def autocast_ok(device_type:str, # a device type: 'cuda', 'cpu', 'mps'...
@@ -148,5 +148,17 @@ def _widening(f, data:tuple, model:tuple):
     g._fp16 = True
     return g
 
-for _n,(_d,_m) in _one_dtype.items():  # `nn.LayerNorm`... call them through `F`, found at each call
-    if not getattr(getattr(F, _n), '_fp16', False): setattr(F, _n, _widening(getattr(F, _n), _d, _m))
+_ops = {n: getattr(F, n) for n in _one_dtype}  # torch's own, what `F` holds outside a window that widens
+_wide_ops = {n: _widening(f, *_one_dtype[n]) for n,f in _ops.items()}
+_widens = [0]  # windows up that put them on (a fit's, a GAN's second model...)
+
+def widening()->callable:
+    "`F`'s ops that need one dtype widened while a window is up (`nn.LayerNorm`... find them there at each call): returns what takes them off"
+    if not _widens[0]:
+        for n,g in _wide_ops.items(): setattr(F, n, g)
+    _widens[0] += 1
+    def off():
+        _widens[0] -= 1
+        if not _widens[0]:
+            for n,f in _ops.items(): setattr(F, n, f)
+    return off
