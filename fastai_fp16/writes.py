@@ -188,9 +188,11 @@ class Writes:
 
     def settle(self, p, ddp:bool=False):
         "Land what was written to `p` since the last step; `ddp`: writes we did not see are DDP's broadcast of the params"
-        i = id(p)
-        if i not in self.hs: return
-        cur, h0, bits = raw(p), self.hs[i], self.bits(p)
+        i, h0 = id(p), self.hs.get(id(p))
+        if h0 is None: return
+        if (p._version == self.vers[i] and p.data_ptr() == h0.data_ptr() and p.dtype == h0.dtype and p.shape == h0.shape
+            and i not in self.dirty and i not in self.lost): return  # nothing written: the check costs a few attribute reads
+        cur, bits = raw(p), self.bits(p)
         ref = self.refs.get(i) if i in self.sticky else self.refs.pop(i, None)
         moved = p._version != self.vers[i]
         # what `p` held before its writes: the copy kept, or its tensor as the step left it if no write went unseen

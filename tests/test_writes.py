@@ -176,7 +176,7 @@ def test_exact_at_fit_boundaries(masters):
         b = Learner(synth_dls(n=256), big(), loss_func=nn.MSELoss(), opt_func=Adam, path=d).to_half('bf16', masters=masters)
         b.load('half', with_opt=True)
         mp, mp0 = b.mixed_precision, a.mixed_precision
-        if mp.lean is not None: mp.lean.steps = mp0.lean.steps  # stochastic rounding's draws go on (`learn.save` keeps the scaler's state with the opt's)
+        if mp.lean is not None: assert mp.lean.steps == mp0.lean.steps  # stochastic rounding's draws go on: the scaler's state, saved with the opt's, holds the count
         with b.no_bar(), b.no_logging(): b.fit(2, 1e-2)
     assert same(weights(one), weights(b))
     c = Learner(synth_dls(n=256), big(), loss_func=nn.MSELoss(), opt_func=Adam).to_half('bf16', masters=masters)
