@@ -9,7 +9,7 @@ import torch, torch.nn as nn
 import torch.distributed as dist
 from fastcore.basics import patch
 from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
-from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, _per_element
+from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, RandomPool, _per_element
 from .writes import Writes, raw, _blockwise
 
 # %% auto #0
@@ -48,13 +48,15 @@ def round_stochastic(x:torch.Tensor, # fp32
                      gen:torch.Generator|None=None, # the random bits' generator (on `x`'s device)
                      out:torch.Tensor|None=None, # bf16 shaped as `x`, for the result (else new)
                      overwrite:bool=False, # the sums made in `x`'s memory (`x` is lost): no new memory
+                     rand:RandomPool|None=None, # the random bits' stream, else drawn from `gen`
                     )->torch.Tensor:
     "`x` in bf16, rounded up or down at random, with the probability of each its nearness: unbiased, `E[round(x)] = x`"
     out = torch.empty_like(x, dtype=torch.bfloat16) if out is None else out
     o, xi, n = out.view(torch.int16), (x if overwrite else x.clone()).view(torch.int32), x.numel()
     # 16 random bits an element, four to a draw of 64 (torch's fastest: its full range), drawn into `out` (a 64-bit view
     # where it can be one, else copied there)
-    if o.is_contiguous() and n % 4 == 0 and o.data_ptr() % 8 == 0: o.view(-1).view(torch.int64).random_(-2**63, None, generator=gen)
+    if rand is not None: rand.fill(o)
+    elif o.is_contiguous() and n % 4 == 0 and o.data_ptr() % 8 == 0: o.view(-1).view(torch.int64).random_(-2**63, None, generator=gen)
     else: o.copy_(torch.empty(-(-n // 4), dtype=torch.int64, device=x.device).random_(-2**63, None, generator=gen).view(torch.int16)[:n].view(o.shape))
     # `x`'s bit pattern plus a uniform 16-bit number (the bits read signed, plus 2**15), the low 16 bits dropped: up with
     # probability (what is dropped) / 2**16
@@ -102,7 +104,7 @@ class LeanMasters:
     ):
         check_masters(mode, opt_states)
         self.mode, self.opt_states, self.seed, self.steps = mode, opt_states, seed, steps
-        self.ps, self.ids, self.opt, self.gen, self.fused, self.ws = [], set(), None, None, None, None
+        self.ps, self.ids, self.opt, self.gen, self.pool, self.fused, self.ws = [], set(), None, None, None, None, None
         self.writes = Writes(self._bits, self._narrow, self._widen)  # what user code writes to the params lands
 
     def _bits(self, p, pop:bool=False)->torch.Tensor|None:
@@ -124,7 +126,7 @@ class LeanMasters:
             # fit's end (the fp32 sum) and the next fit's start make the same pair (rounded, a tie could go to the other `h`)
             h.copy_(x); _blockwise(lambda x, h, b: b.view(torch.int16).copy_(x.sub_(h).view(torch.int32).bitwise_right_shift_(16)), x, h, bits)
         elif not stepped: h.copy_(x)  # a value not stepped stays as near as it can
-        else: round_stochastic(x, self.gen, h, overwrite=True)
+        else: round_stochastic(x, self.gen, h, overwrite=True, rand=self.pool)
 
     def _states(self, p, dt):
         "`p`'s averages made `dt`: bf16 at rest with `opt_states='bf16'`, fp32 with 'fp32' (kept bf16 from an earlier fit)"
@@ -165,7 +167,7 @@ class LeanMasters:
                 if p.dtype != torch.bfloat16: continue
                 p.data = self._widen(raw(p), self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
                 if grads and gs.get(id(p)) is not None: p.grad = gs[id(p)].float()
-        ps, self.ps, self.ids, self.opt, self.gen = self.ps, [], set(), None, None
+        ps, self.ps, self.ids, self.opt, self.gen, self.pool = self.ps, [], set(), None, None, None
         return ps
 
     @contextmanager
@@ -244,14 +246,16 @@ def _narrow_piece(self:LeanMasters, pc):
 def step(self:LeanMasters, opt):
     "One step of `opt` on the fp32 values: the params it steps widened a chunk at a time into fp32 stand-ins, stepped, and put back"
     self.writes.settle_all()  # what user code wrote since the last step: the step starts from it
-    if self.mode == 'stochastic':
-        dev = next((p.device for p in self.ps), torch.device('cpu'))
-        if self.gen is None or self.gen.device != dev: self.gen = torch.Generator(device=dev)
-        self.gen.manual_seed((self.seed << 32) + self.steps)  # a resumed run draws what the uninterrupted one would
-    self.steps += 1
-    # a step that gives each chunk's memory back and takes it again leaves the heap high: one workspace, reused
     ew, sts, start = elementwise(opt), opt_state(opt), {}
     chunk = self.chunk or max(1 << 18, -(-sum(p.numel() for p in self.ps) // 64))
+    if self.mode == 'stochastic':  # a resumed run draws what the uninterrupted one would; a CPU's generator takes a seed's
+        # low 32 bits, which an odd multiple of `seed` keeps apart
+        dev, seed = next((p.device for p in self.ps), torch.device('cpu')), (self.seed * 0x9E3779B97F4A7C15 + self.steps) % 2**64
+        if self.gen is None or self.gen.device != dev: self.gen = torch.Generator(device=dev)
+        self.gen.manual_seed(seed)  # a CPU's generator draws on one thread: there, a step's bits in one pool
+        if dev.type == 'cpu': self.pool = RandomPool(self.gen, seed)
+    self.steps += 1
+    # a step that gives each chunk's memory back and takes it again leaves the heap high: one workspace, reused
     with torch.no_grad():
         for ch in pieces(opt, chunk, lambda p: ew and id(p) in self.ids and self._sliceable(p)):
             self.ws.reset(ch[0].p.device)
@@ -262,6 +266,7 @@ def step(self:LeanMasters, opt):
                 step_pieces(opt, ch, self.fused)
             finally:  # put back even if the step raised: no param is left half-way
                 for pc in ch: self._narrow_piece(pc); pc.q = pc.st = None  # a first step's new slice states go now, not at the step's end
+        self.pool = None
     self.writes.stepped()
 
 def use_lean_masters(opt, # the fit's optimizer

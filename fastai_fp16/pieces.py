@@ -5,13 +5,15 @@
 # %% ../nbs/09aa_pieces.ipynb #9aa00003
 from __future__ import annotations
 from functools import partial
+import random
 import torch
 from fastai.optimizer import (Optimizer, OptimWrapper, _update, sgd_step, weight_decay, l2_reg, average_grad, average_sqr_grad,
                               momentum_step, rms_prop_step, step_stat, adam_step, radam_step, qhadam_step)
 from .fused_adam import fused_adam_step
 
 # %% auto #0
-__all__ = ['opt_kind', 'opt_state', 'elementwise', 'Piece', 'pieces', 'Workspace', 'step_pieces', 'piece_state', 'put_state']
+__all__ = ['opt_kind', 'opt_state', 'elementwise', 'Piece', 'pieces', 'Workspace', 'RandomPool', 'step_pieces', 'piece_state',
+           'put_state']
 
 # %% ../nbs/09aa_pieces.ipynb #9aa00006
 def opt_kind(opt)->str|None:
@@ -86,6 +88,38 @@ class Workspace:
         "Whether `t` lives in the workspace (a state must not: the next chunk writes there)"
         b = self.buf
         return b is not None and t.device == b.device and t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+# %% ../nbs/09aa_pieces.ipynb #9aa00016
+class RandomPool:
+    "A step's random int16s for `round_stochastic` on a CPU: `size` drawn once, read as a stream of laps, each from a random place"
+    def __init__(self, gen:torch.Generator, # draws the bits
+                 seed:int, # where each lap starts: with `gen`'s state, the same stream again
+                 size:int=2**18): # int16s drawn (a multiple of 4)
+        self.bits = torch.empty(size // 4, dtype=torch.int64, device=gen.device).random_(-2**63, None, generator=gen).view(torch.int16)
+        self.at, self.pos, self.lap = random.Random(seed), 0, 0  # python's generator for the places: no torch call
+
+    def _parts(self, n:int):
+        "The pool's views that make the stream's next `n` bits"
+        bs, parts = self.bits, []
+        while n:
+            i = self.pos % len(bs)
+            if i == 0: self.lap = self.at.randrange(len(bs))  # a new lap, from its own place
+            k, j = min(n, len(bs) - i), (self.lap + i) % len(bs)
+            parts += [bs[j:j+k]] if j + k <= len(bs) else [bs[j:], bs[:j+k-len(bs)]]
+            self.pos, n = self.pos + k, n - k
+        return parts
+
+    def take(self, n:int)->torch.Tensor:
+        "The stream's next `n` bits, contiguous (a view of the pool where they lie in one piece of it)"
+        parts = self._parts(n)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def fill(self, out:torch.Tensor)->torch.Tensor:
+        "int16 `out` filled with the stream's next `out.numel()` bits, in its elements' order (no copy between)"
+        if not out.is_contiguous(): return out.copy_(self.take(out.numel()).view(out.shape))
+        o, k = out.view(-1), 0
+        for t in self._parts(out.numel()): o[k:k+len(t)].copy_(t); k += len(t)
+        return out
 
 # %% ../nbs/09aa_pieces.ipynb #9aa0000f
 def step_pieces(opt, # a fastai `Optimizer` or `OptimWrapper` (see `opt_kind`)
