@@ -11,7 +11,7 @@ from .core import cast_floats
 from .op_policy import autocast_off_hooks
 
 # %% auto #0
-__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32', 'land_buffers']
+__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32', 'Fp32Hooks', 'land_buffers']
 
 # %% ../nbs/07_buffer_guard.ipynb #a7c1e006
 class BufferGuard:
@@ -95,12 +95,25 @@ def kept_fp32(model:nn.Module, # the model
 def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
              dtype:torch.dtype, # the model's dtype
              device_type:str|None=None, # with autocast on for this device type in flight: off inside them, or it would lower them again
+             gate=None, # a function: where given, the hooks act only while it returns True (a fit's window up)
             )->list: # hook handles: `.remove()` each after the fit
     "Forward hooks that run `modules` in fp32: their floating inputs cast to fp32, their floating outputs back to `dtype`"
-    pre = lambda m, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32))
-    post = lambda m, args, out: cast_floats(out, dtype)
-    off = [h for m in modules for h in autocast_off_hooks(m, device_type)] if device_type else []
+    on = gate or (lambda: True)
+    pre = lambda m, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)) if on() else None
+    post = lambda m, args, out: cast_floats(out, dtype) if on() else None
+    off = [h for m in modules for h in autocast_off_hooks(m, device_type, gate)] if device_type else []
     return off + [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
+
+class Fp32Hooks:
+    "`run_fp32`'s hooks kept on over a fit's windows, acting while `gate()`: put on again, after any other, only where the modules or their other hooks changed"
+    def __init__(self): self.hs, self.sig = [], None
+    def _sig(self, modules): return [(*m._forward_pre_hooks, None, *m._forward_hooks) for m in modules]  # hook ids are unique
+    def put(self, modules:list, dtype:torch.dtype, device_type:str|None, gate): # as `run_fp32`'s
+        if self.sig == self._sig(modules): return
+        self.remove(); self.hs = run_fp32(modules, dtype, device_type, gate); self.sig = self._sig(modules)
+    def remove(self):
+        for h in self.hs: h.remove()
+        self.hs, self.sig = [], None
 
 # %% ../nbs/07_buffer_guard.ipynb #a7c1e0a2
 def land_buffers(entries:list, # each buffer in flight: (its dict, name, fp32 buffer, half copy, snapshot of the copy)

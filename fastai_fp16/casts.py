@@ -14,7 +14,7 @@ from torch.nn.utils.prune import BasePruningMethod
 from fastcore.basics import patch
 from .core import cast_floats
 from .fp32math import patch_fp32_math, unpatch_fp32_math
-from .buffer_guard import run_fp32, land_buffers
+from .buffer_guard import Fp32Hooks, land_buffers
 from .op_policy import autocast_hooks, widening, _activate
 from .owners import owners, attach_missed, compiled
 from .lean_in_flight import LeanInFlight
@@ -45,7 +45,7 @@ class _Casts:
         self.pr, self.br, self.mods, self.rnns, self.pre = [], [], [], [], []
         self.own, self.made, self.reg, self.called = {}, {}, {}, set()  # by module: its params' entries; the window's casts
         self.src, self.bsrc, self.lean = {}, {}, LeanInFlight()  # the casts' and copies' fp32 sources; lean params' fp32 values
-        self.fwd, self.wraps = {}, {}  # by module: the forward wrapped now, the wrapper (made once)
+        self.fwd, self.wraps, self.f32h = {}, {}, Fp32Hooks()  # by module: the forward wrapped now, the wrapper (made once); `mods`' hooks
         self.hooks = [h(self._registered) for h in _reg_hooks]
         self.ts = self.f32 = None
         if at_rest is not None:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
@@ -186,7 +186,7 @@ class _Casts:
         if self.widen or self.lean.ents: self.undo.append(widening())
         self._register(refresh)
         if self.fp32_math: self.undo.append(functools.partial(unpatch_fp32_math, patch_fp32_math(model)))
-        if self.mods: self.undo += [h.remove for h in run_fp32(self.mods, self.dt, self.ops)]
+        self.f32h.put(self.mods, self.dt, self.ops, lambda: self.up)  # on for the fit, acting while the window is up
         if self.rnns: self.undo += [m.register_forward_pre_hook(self._cast_in, with_kwargs=True).remove for m in self.rnns]
         if self.late:  # last: around what fp32 math and the hooks above put on
             self.called, self.learn = set(), refresh  # a forward's window, not the backward's: what it missed is learnt
@@ -302,4 +302,5 @@ def remove(self:_Casts):
     "The fit is over: the model at rest, the registration hooks off, fp32 again after `master_weights=False`"
     self.close(); self.made, self.reg, self.src, self.fwd, self.wraps = {}, {}, {}, {}, {}; self.restore()
     for h in self.hooks: h.remove()
+    self.f32h.remove()
     self.hooks = []

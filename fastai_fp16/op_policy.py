@@ -56,10 +56,12 @@ def autocast_off(device_type:str): # the device type of the tensors computed ins
 
 def autocast_off_hooks(m:nn.Module, # a module whose forward computes in fp32 under autocast (its tensors are fp32)
                        device_type:str, # 'cuda', 'cpu'...
+                       gate=None, # a function: where given, the hooks act only while it returns True
                       )->list: # hook handles
     "Hooks that run each forward of `m` with autocast off, turned back on even if the forward raises"
     st = []
     def pre(mod, args):
+        if gate is not None and not gate(): return
         c = autocast_off(device_type); c.__enter__(); st.append(c)
     def post(mod, args, out):
         if st: st.pop().__exit__(None, None, None)

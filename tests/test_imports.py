@@ -126,7 +126,7 @@ def test_old_names_in_a_fresh_interpreter():
     assert r.stdout.split()[-2:] == ['fastai_fp16.buffer_guard', 'fastai_fp16.study.run'], r.stdout
 
 # `from fastai_fp16.all import *` before the modules moved (issue 35): the same names after
-ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'EMA',
+ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'EMA', 'Fp32Hooks',
     'LinearFp32', 'LossScaleError', 'LossScaler', 'MixedPrecision', 'ModelToHalf', 'PeakMemory', 'PrecisionMonitor',
     'PrecisionPlan', 'PrecisionReport', 'RECIPES', 'SkipValid', 'StepTimer', 'SynthDL', 'adam_variants', 'archs',
     'assume_capabilities', 'batch_overhead', 'bench', 'bench_main', 'bench_shape', 'bf16_kahan', 'bf16_master', 'bf16_nomaster',

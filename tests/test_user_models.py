@@ -253,6 +253,29 @@ def test_fp32_math_and_kept_modules_compute_fp32_under_autocast():
     assert ops.seen == {torch.float32} and out.dtype == torch.bfloat16  # fp32 inside, the model's dtype out
     for h in hs: h.remove()
 
+class MidFitHook(Callback):
+    "A forward hook put on layer `i` after the first batch, and what it saw"
+    order = 20
+    def __init__(self, i): self.i = i
+    def before_fit(self): self.seen, self.h = [], None
+    def after_batch(self):
+        if self.h is None: self.h = self.model[self.i].register_forward_hook(lambda m, a, o: self.seen.append(o.dtype))
+    def after_fit(self): self.h.remove()
+
+def test_kept_modules_hooks_go_on_once_a_fit(monkeypatch):
+    "A `keep_fp32` module's hooks go on once a fit (not twice a batch), act in the fit's windows only, still run after a hook added mid-fit, and are gone after"
+    regs, orig = [], nn.Module.register_forward_pre_hook
+    monkeypatch.setattr(nn.Module, 'register_forward_pre_hook', lambda self, *a, **k: regs.append(self) or orig(self, *a, **k))
+    m, spy, ref_spy = tiny_model(), MidFitHook(3), MidFitHook(3)
+    ref = fit(copy.deepcopy(m), 'fp32', [ref_spy])
+    learn = fit(m, 'bf16', [spy], keep_fp32=['3'])
+    # run_fp32's and autocast-off's pre-hooks at the first window, and again (to run last) once the spy's came: 4 in all, where
+    # they went on at each window before (the forward's and the backward's: 4 a batch)
+    assert regs.count(m[3]) == 4, regs.count(m[3])
+    assert len(spy.seen) == len(ref_spy.seen) and set(spy.seen) == {torch.float32}  # the layer's own output, as in fp32: ours run after
+    assert not m[3]._forward_pre_hooks and not m[3]._forward_hooks  # none left after the fit
+    assert m[3](torch.randn(3, 8)).dtype == torch.float32 and learn.model is m
+
 class Recorded(FFTLayer):
     "An FFT layer that records whether autocast is on in its forward"
     def forward(self, x): self.on = torch.is_autocast_enabled('cpu'); return super().forward(x)
