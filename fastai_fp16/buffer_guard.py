@@ -7,11 +7,9 @@ from __future__ import annotations
 from itertools import chain
 from operator import is_not
 import torch, torch.nn as nn
-from .core import cast_floats
-from .op_policy import autocast_off_hooks
 
 # %% auto #0
-__all__ = ['BufferGuard', 'kept_fp32', 'run_fp32', 'Fp32Hooks', 'land_buffers']
+__all__ = ['BufferGuard', 'kept_fp32']
 
 # %% ../nbs/07_buffer_guard.ipynb #a7c1e006
 class BufferGuard:
@@ -91,46 +89,3 @@ def kept_fp32(model:nn.Module, # the model
         runs += [m for m in ms if all(m is not r for r in runs)]
     inner = {id(s) for m in runs for s in m.modules() if s is not m}
     return ids, [m for m in runs if id(m) not in inner]
-
-def run_fp32(modules:list, # modules whose tensors are fp32 in a half model
-             dtype:torch.dtype, # the model's dtype
-             device_type:str|None=None, # with autocast on for this device type in flight: off inside them, or it would lower them again
-             gate=None, # a function: where given, the hooks act only while it returns True (a fit's window up)
-            )->list: # hook handles: `.remove()` each after the fit
-    "Forward hooks that run `modules` in fp32: their floating inputs cast to fp32, their floating outputs back to `dtype`"
-    on = gate or (lambda: True)
-    pre = lambda m, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)) if on() else None
-    post = lambda m, args, out: cast_floats(out, dtype) if on() else None
-    off = [h for m in modules for h in autocast_off_hooks(m, device_type, gate)] if device_type else []
-    return off + [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post))]
-
-class Fp32Hooks:
-    "`run_fp32`'s hooks kept on over a fit's windows, acting while `gate()`: put on again, after any other, only where the modules or their other hooks changed"
-    def __init__(self): self.hs, self.sig = [], None
-    def _sig(self, modules): return [(*m._forward_pre_hooks, None, *m._forward_hooks) for m in modules]  # hook ids are unique
-    def put(self, modules:list, dtype:torch.dtype, device_type:str|None, gate): # as `run_fp32`'s
-        if self.sig == self._sig(modules): return
-        self.remove(); self.hs = run_fp32(modules, dtype, device_type, gate); self.sig = self._sig(modules)
-    def remove(self):
-        for h in self.hs: h.remove()
-        self.hs, self.sig = [], None
-
-# %% ../nbs/07_buffer_guard.ipynb #a7c1e0a2
-def land_buffers(entries:list, # each buffer in flight: (its dict, name, fp32 buffer, half copy, snapshot of the copy)
-                 dt:torch.dtype, # the half dtype
-                )->tuple: # (the entries for the next batch, whether a buffer was re-assigned with a new shape)
-    "At rest: each fp32 buffer back in its dict, with what the forward changed of its half copy (and only that)"
-    res, moved = [], False
-    for e in entries:
-        d,n,b,hb,snap = e
-        cur = d.get(n); d[n] = b
-        if cur is hb: b.copy_(torch.where(hb != snap, hb, b))  # only what the forward changed: the rest keeps its fp32 value
-        elif isinstance(cur, torch.Tensor) and cur.shape == b.shape and cur.device == b.device: b.copy_(cur)  # `self.n = self.n + 1`
-        else:  # re-assigned with a new shape (a longer history, a cache rebuilt): the model's tensor now, in fp32
-            d[n] = e = cur.float() if isinstance(cur, torch.Tensor) and cur.dtype == dt else cur
-            moved = True
-            if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32): continue
-            h = e.to(dt)
-            e = (d, n, e, h, h.clone())  # its copies, for the backward's recomputation and the next batch
-        res.append(e)
-    return res, moved

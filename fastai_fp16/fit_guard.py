@@ -41,8 +41,19 @@ def _stateful(model:nn.Module)->bool:
 
 _names = {torch.float16: 'fp16', torch.bfloat16: 'bf16'}
 
+def _lean_hint(learn:Learner, e:BaseException)->bool:
+    "With lean masters (bf16 params for the fit), an op without a bf16 kernel on a param: say so, and what to do"
+    mp = next(iter(_role(learn, 'mixed')), None)
+    ms = getattr(mp, 'masters', 'fp32')
+    if ms == 'fp32' or not isinstance(e, (RuntimeError, NotImplementedError)) or "for 'BFloat16'" not in str(e): return False
+    e.add_note(f"fastai_fp16: with masters={ms!r} the model's params are bf16 during the fit (their fp32 values kept beside them), "
+               "and this op has no bf16 kernel here. Compute it on a param's fp32 value, `learn.mixed_precision.master(p)`, and "
+               "write the result back with `p.data.copy_(...)`; or run it between fits, or use masters='fp32' (the default).")
+    return True
+
 def _dtype_hint(learn:Learner, e:BaseException):
     "Name the usual causes of torch's two-dtypes error in a half fit, once, on the error itself (it is not swallowed)"
+    if hasattr(e, 'add_note') and _lean_hint(learn, e): return
     mth = next(iter(_role(learn, 'model')), None)
     dt = getattr(mth, 'run_dtype', torch.float32)
     if dt == torch.float32 or not isinstance(e, RuntimeError) or not _two_dtypes.search(str(e)): return
@@ -51,8 +62,8 @@ def _dtype_hint(learn:Learner, e:BaseException):
             "which is fp32: make it in the input's dtype and device (`x.new_zeros(n)`, `torch.zeros(n, dtype=x.dtype, "
             "device=x.device)`), or run that module in fp32: `learn.to_float().to_half("
             f"'{_names.get(dt, dt)}', keep_fp32=['its.name'])` (its name as `learn.model.named_modules()` gives it)"
-            + (". With `autocast=False` every op computes in the half dtype: without it (the default) torch.autocast casts "
-               "such a tensor for the ops it lowers (matmul, linear, convolutions...)" if getattr(mth, 'autocast', True) is False
+            + (". With `autocast=False` an op that takes one of the model's weights computes in the half dtype, its other "
+               "tensors cast: this op takes none of them" if getattr(mth, 'autocast', True) is False
                else ". torch.autocast's per-op policy, on in flight, casts it only for the ops it lowers (matmul, linear, "
                     "convolutions...): this op is not one of them"))
     kept = ("a state this model keeps between batches, made fp32 at rest (with the model, or by its `reset`) and met by half "

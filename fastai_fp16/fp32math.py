@@ -10,7 +10,7 @@ from torch import Tensor
 from .op_policy import autocast_off
 
 # %% auto #0
-__all__ = ['ConvFp32', 'LinearFp32', 'patch_fp32_math', 'unpatch_fp32_math']
+__all__ = ['ConvFp32', 'LinearFp32', 'conv_fp32', 'linear_fp32', 'patch_fp32_math', 'unpatch_fp32_math']
 
 # %% ../nbs/05_fp32math.ipynb #d2566f3c
 _half = (torch.float16, torch.bfloat16)
@@ -64,15 +64,32 @@ def _str_padding(x, padding:str, w, dilation)->tuple:
     pads = [p for t in reversed(tot) for p in (t//2, t - t//2)]  # F.pad lists the last dim first
     return F.pad(x, pads), (0,)*nd
 
+def _tup(v, nd:int)->tuple: return tuple(v) if isinstance(v, (tuple, list)) else (v,)*nd
+
+def conv_fp32(x:Tensor, w:Tensor, b:Tensor|None=None, # input, half weight, bias
+              stride=1, padding=0, dilation=1, groups:int=1, # as `F.conv2d`'s (`padding` may be 'same' or 'valid')
+              transposed:bool=False, output_padding=0, # `F.conv_transpose2d`'s
+             )->Tensor:
+    "A 1-3d convolution (transposed too) of half `w` computed in fp32 math, `x` taken in `w`'s dtype: `ConvFp32` with the functional API's arguments"
+    nd = w.dim() - 2
+    stride, dilation = _tup(stride, nd), _tup(dilation, nd)
+    x = x.to(w.dtype)
+    if isinstance(padding, str): x, padding = _str_padding(x, padding, w, dilation)
+    unbatched = x.dim() == nd + 1
+    out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, stride, _tup(padding, nd), dilation, transposed,
+                         _tup(output_padding, nd), groups)
+    return out.squeeze(0) if unbatched else out
+
+def linear_fp32(x:Tensor, w:Tensor, b:Tensor|None=None)->Tensor:
+    "`F.linear` of half `w` computed in fp32 math, `x` taken in `w`'s dtype"
+    return LinearFp32.apply(x.to(w.dtype), w, b)
+
 def _conv_fp32_forward(m, x, w, b):
     "`m._conv_forward` in fp32 math when `w` is half"
     if w.dtype not in _half: return type(m)._conv_forward(m, x, w, b)
-    nd, pad = w.dim() - 2, m.padding
-    if m.padding_mode != 'zeros': x, pad = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode), (0,)*nd
-    elif isinstance(pad, str): x, pad = _str_padding(x, pad, w, m.dilation)
-    unbatched = x.dim() == nd + 1
-    out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, m.stride, pad, m.dilation, False, (0,)*nd, m.groups)
-    return out.squeeze(0) if unbatched else out
+    pad = m.padding
+    if m.padding_mode != 'zeros': x, pad = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode), 0
+    return conv_fp32(x, w, b, m.stride, pad, m.dilation, m.groups)
 
 # the weight and bias are read once a forward, as the modules' own code does: a parametrization runs at every read
 # (`spectral_norm`'s power iteration, `weight_norm`). Convolutions get them from `forward` as arguments.
@@ -82,14 +99,12 @@ def _conv_t_fp32_forward(m, x, output_size=None):
     op = m._output_padding(x, output_size, m.stride, m.padding, m.kernel_size, nd, m.dilation)
     if w.dtype not in _half:  # the module's own code, on the weight read here
         return getattr(F, f'conv_transpose{nd}d')(x, w, b, m.stride, m.padding, op, m.groups, m.dilation)
-    unbatched = x.dim() == nd + 1
-    out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, m.stride, m.padding, m.dilation, True, op, m.groups)
-    return out.squeeze(0) if unbatched else out
+    return conv_fp32(x, w, b, m.stride, m.padding, m.dilation, m.groups, transposed=True, output_padding=op)
 
 def _linear_fp32_forward(m, x):
     "`m.forward` of a linear layer in fp32 math when its weight is half"
     w, b = m.weight, m.bias
-    return LinearFp32.apply(x, w, b) if w.dtype in _half else F.linear(x, w, b)  # `F.linear`: nn.Linear's own forward
+    return linear_fp32(x, w, b) if w.dtype in _half else F.linear(x, w, b)  # `F.linear`: nn.Linear's own forward
 
 _convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _conv_ts = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

@@ -120,13 +120,13 @@ class ModelToHalf(Callback):
         return [r for m in ms for r in f32(m._parameters)], [r for m in ms for r in f32(m._buffers)], mods
 
     def fly(self):
-        "In flight: the params registered as their half casts, the buffers as half copies (`MixedPrecision` calls it as a batch starts)"
+        "In flight: the model computes in half (`MixedPrecision` calls it as a batch starts)"
         if getattr(self, '_run', None) is not None: self._run.open(self.learn.model)
-    def land(self, keep:bool=False):
-        "At rest: the model's own fp32 tensors back (`MixedPrecision` calls it after the loss, and after the backward); `keep` the casts for the backward"
-        if getattr(self, '_run', None) is not None: self._run.close(keep)
+    def land(self):
+        "At rest: plain fp32 again (`MixedPrecision` calls it once the predictions are made, and after the backward)"
+        if getattr(self, '_run', None) is not None: self._run.close()
     def reopen(self):
-        "The forward's casts back in the model for the backward (`MixedPrecision` calls it as fastai's backward starts)"
+        "What a checkpointed block's recomputation needs, for the backward (`MixedPrecision` calls it as fastai's backward starts)"
         if getattr(self, '_run', None) is not None: self._run.reopen()
     @property
     def in_flight(self)->bool: return getattr(getattr(self, '_run', None), 'up', False)

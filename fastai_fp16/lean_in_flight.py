@@ -11,31 +11,30 @@ __all__ = ['LeanInFlight']
 
 # %% ../nbs/01bb_lean_in_flight.ipynb #b1bb0006
 class LeanInFlight:
-    "In flight, where the model computes in fp32 (an autocast-off region), each lean param of a module as its exact fp32 value while that module's forward runs"
-    def __init__(self, lean=None): self.lean, self.ents, self.by, self.reg = lean, [], {}, {}  # lean: a fit's `LeanMasters`
+    "In flight, inside a region where the model computes in fp32 (autocast off), each lean param as its exact fp32 value"
+    def __init__(self, lean=None): self.lean, self.ents, self.reg = lean, [], {}  # lean: a fit's `LeanMasters`
 
     def find(self, model:nn.Module):
-        "Where each lean param is registered in `model` (a dict entry each), by module"
+        "Where each lean param is registered in `model` (a dict entry each)"
         ids = getattr(self.lean, 'ids', ())
-        self.ents, self.by = [], {}
-        for m in model.modules():
-            for n,p in m._parameters.items():
-                if p is not None and id(p) in ids: self.by.setdefault(id(m), []).append(len(self.ents)); self.ents.append((m._parameters, n, p))
+        self.ents = [(m._parameters, n, p) for m in model.modules() for n,p in m._parameters.items() if p is not None and id(p) in ids]
 
     def fp32(self, p:torch.Tensor)->torch.Tensor|None:
         "Lean param `p` (bf16) as its exact fp32 value, its grad flowing into `p`; None if `p` is not lean"
         if id(p) not in getattr(self.lean, 'ids', ()): return None
         return p.float() + (self.lean.master(p) - p.detach().float())  # the difference is exact: they are that close
 
-    def stand(self, k:int):
-        "Module `k`'s lean params registered as their fp32 values"
-        for i in self.by.get(k, ()):
-            d, n, p = self.ents[i]
-            if d.get(n) is p: d[n] = self.reg[i] = self.fp32(p)
+    def stand(self):
+        "Each lean param registered as its fp32 value (a tied one once)"
+        made = {}
+        for i,(d,n,p) in enumerate(self.ents):
+            if d.get(n) is p:
+                if id(p) not in made: made[id(p)] = self.fp32(p)
+                d[n] = self.reg[i] = made[id(p)]
 
-    def unstand(self, k:int|None=None):
-        "Module `k`'s lean params (all, if None) back"
-        for i in (list(self.reg) if k is None else self.by.get(k, ())):
+    def unstand(self):
+        "The lean params back"
+        for i,s in self.reg.items():
             d, n, p = self.ents[i]
-            s = self.reg.pop(i, None)
-            if s is not None and d.get(n) is s: d[n] = p
+            if d.get(n) is s: d[n] = p
+        self.reg = {}

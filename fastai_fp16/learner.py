@@ -17,8 +17,7 @@ from .core import half_dtype
 from .half_model import *
 from .mixed_precision import *
 from .conflicts import check_fastai_precision
-from .masters import check_masters, without_bits
-from fastai.torch_core import get_model
+from .masters import check_masters
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
@@ -97,10 +96,8 @@ def _save_with_scaler(save):
     def _save(self, file, **kwargs):
         mp, opt = _mixed(self), getattr(self, 'opt', None)
         if mp is None or opt is None: return save(self, file, **kwargs)
-        sd, lean = opt.state_dict, _lean(self)  # the optimizer's own (the model's params, fp32), and the loss scaler's state with it
-        if lean is not None: sd = lambda sd0=sd: without_bits(sd0())  # lean masters: their bits are in the fp32 weights saved
-        with _opt_method(opt, 'state_dict', lambda: {**sd(), 'mixed_precision': mp.state_dict()}), \
-             (lean.saving(get_model(self.model)) if lean is not None else nullcontext()):  # fp32 weights, exact, whatever the masters
+        sd = opt.state_dict  # the optimizer's own (the model's params), and the loss scaler's state with it; lean params' state
+        with _opt_method(opt, 'state_dict', lambda: {**sd(), 'mixed_precision': mp.state_dict()}):  # dicts hold their fp32 values
             return save(self, file, **kwargs)
     _save._fp16 = True
     return _save

@@ -14,7 +14,7 @@ from .writes import Writes, raw, _blockwise
 
 # %% auto #0
 __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
-           'LeanMasters', 'use_lean_masters', 'without_bits']
+           'LeanMasters', 'use_lean_masters']
 
 # %% ../nbs/09b_masters.ipynb #0b5b50cd
 def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
@@ -65,7 +65,7 @@ def round_stochastic(x:torch.Tensor, # fp32
 
 # %% ../nbs/09b_masters.ipynb #9d6e942a
 masters_modes = ('fp32', 'split', 'kahan', 'stochastic')
-_key = {'split': 'master_lo', 'kahan': 'kahan_comp'}  # where each mode keeps its extra 16 bits: the optimizer's state
+_bits_dtype = {'split': torch.int16, 'kahan': torch.bfloat16}  # what each mode keeps beside a param: 16 bits an element, its own
 
 def check_masters(masters:str, # how the fp32 masters are kept: one of `masters_modes`
                   opt_states:str='fp32', # the optimizer's states (Adam's averages...) at rest: 'fp32' or 'bf16'
@@ -104,13 +104,12 @@ class LeanMasters:
     ):
         check_masters(mode, opt_states)
         self.mode, self.opt_states, self.seed, self.steps = mode, opt_states, seed, steps
-        self.ps, self.ids, self.opt, self.gen, self.pool, self.fused, self.ws = [], set(), None, None, None, None, None
+        self.ps, self.ids, self.opt, self.gen, self.pool, self.fused, self.ws, self.bits = [], set(), None, None, None, None, None, {}
         self.writes = Writes(self._bits, self._narrow, self._widen)  # what user code writes to the params lands
 
     def _bits(self, p, pop:bool=False)->torch.Tensor|None:
-        "What `p` keeps beside its bf16 (split's low bits, Kahan's compensation) in the optimizer's state; None for stochastic"
-        k, st = _key.get(self.mode), self.opt.state[p]
-        return (st.pop if pop else st.get)(k, None) if k else None
+        "What `p` keeps beside its bf16 (split's low bits, Kahan's compensation), here: no optimizer call can wipe it; None for stochastic"
+        return (self.bits.pop if pop else self.bits.get)(id(p), None)
 
     def _widen(self, h, bits, out:torch.Tensor)->torch.Tensor:
         "The fp32 value of bf16 `h` and its `bits`, written into `out`"
@@ -132,7 +131,7 @@ class LeanMasters:
         "`p`'s averages made `dt`: bf16 at rest with `opt_states='bf16'`, fp32 with 'fp32' (kept bf16 from an earlier fit)"
         st = opt_state(self.opt)[p]
         for k,v in list(st.items()):
-            if _per_element(k, v, p) and k not in _key.values() and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
+            if _per_element(k, v, p) and v.dtype != dt and v.dtype in (torch.float32, torch.bfloat16): st[k] = v.to(dt)
 
     def begin(self, opt, # the fit's optimizer (see `opt_kind`)
               params:list, # the model's fp32 params computed in half: those `opt` holds become lean
@@ -142,12 +141,12 @@ class LeanMasters:
         held = {id(p) for pg in opt.param_lists for p in pg}
         # kahan and stochastic hold fewer bits than fp32: a frozen param (`freeze`) would only lose its own; it stays fp32
         self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32 and (p.requires_grad or self.mode == 'split')]
-        self.ids, self.ws, k = {id(p) for p in self.ps}, Workspace(), _key.get(self.mode)
+        self.ids, self.ws, k = {id(p) for p in self.ps}, Workspace(), _bits_dtype.get(self.mode)
         with torch.no_grad():
             for p in self.ps:
                 g, p.grad, x = p.grad, None, p.data
                 h, bits = torch.empty_like(x, dtype=torch.bfloat16), None
-                if k: bits = opt.state[p][k] = torch.empty_like(x, dtype=torch.int16 if self.mode == 'split' else torch.bfloat16)
+                if k: bits = self.bits[id(p)] = torch.empty_like(x, dtype=k)
                 self._narrow(x.clone(), h, bits)  # a copy: the tensor the model had keeps its value (another may hold it)
                 p.data = h
                 self._states(p, torch.bfloat16 if self.opt_states == 'bf16' else torch.float32)
@@ -157,7 +156,7 @@ class LeanMasters:
 
     def end(self, grads:bool=False # their grads made fp32 (else dropped)
            )->list:
-        "Each param fp32 again, its exact value; the extra bits out of the optimizer's state, the states as they are (bf16 ones stay bf16). Returns the params"
+        "Each param fp32 again, its exact value; the extra bits gone, the states as they are (bf16 ones stay bf16). Returns the params"
         self.ws = None  # the step's workspace goes first, then the grads (unless kept): the fp32 params take their memory
         with torch.no_grad():
             gs = {id(p): p.grad for p in self.ps if p.dtype == torch.bfloat16} if grads else {}
@@ -167,7 +166,7 @@ class LeanMasters:
                 if p.dtype != torch.bfloat16: continue
                 p.data = self._widen(raw(p), self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
                 if grads and gs.get(id(p)) is not None: p.grad = gs[id(p)].float()
-        ps, self.ps, self.ids, self.opt, self.gen, self.pool = self.ps, [], set(), None, None, None
+        ps, self.ps, self.ids, self.opt, self.gen, self.pool, self.bits = self.ps, [], set(), None, None, None, {}
         return ps
 
     @contextmanager
@@ -183,25 +182,12 @@ class LeanMasters:
             for p,g in zip(ps, gs):
                 if g is not None: p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
-    @contextmanager
-    def saving(self, model):
-        "Inside, `model.state_dict()` holds each lean param's fp32 value, exactly: what `learn.save` writes (the params stay as they are)"
-        sd0, names = model.state_dict, [(n, p) for n,p in model.named_parameters(remove_duplicate=False) if id(p) in self.ids]
-        def state_dict(*args, **kwargs):
-            sd = sd0(*args, **kwargs)
-            for n,p in names:
-                if n in sd: sd[n] = self.master(p)
-            return sd
-        model.state_dict = state_dict  # this instance only: no dtype change, which would reset the grads' hooks (DDP's)
-        try: yield
-        finally: model.__dict__.pop('state_dict', None)
-
     def master(self, p)->torch.Tensor:
         "`p`'s fp32 master value: a new tensor where `p` is lean, `p` itself where it is not"
         if id(p) not in self.ids: return p
         self.writes.settle(p)  # what was written to it since the last step first
         if p.dtype != torch.bfloat16: return p
-        return self._widen(raw(p), self._bits(p), torch.empty_like(p, dtype=torch.float32))
+        return self.writes.master(p)
 
     def broadcast(self, src:int=0):
         "Rank `src`'s bits on every rank: DDP broadcasts the params, not these, and ranks seeded apart made their own"
@@ -244,7 +230,8 @@ def _narrow_piece(self:LeanMasters, pc):
 
 @patch
 def step(self:LeanMasters, opt):
-    "One step of `opt` on the fp32 values: the params it steps widened a chunk at a time into fp32 stand-ins, stepped, and put back"
+    "One step of `opt` (the fit's, or one made since) on the fp32 values: the params it steps widened a chunk at a time into fp32 stand-ins, stepped, and put back"
+    self.opt = opt  # the optimizer the user has now: its state is what steps, and what the step's states go back into
     self.writes.settle_all()  # what user code wrote since the last step: the step starts from it
     ew, sts, start = elementwise(opt), opt_state(opt), {}
     chunk = self.chunk or max(1 << 18, -(-sum(p.numel() for p in self.ps) // 64))
@@ -262,7 +249,7 @@ def step(self:LeanMasters, opt):
             try:
                 for pc in ch:  # every slice of a param steps from its state as this step found it
                     st = sts[pc.p] if pc.a is None else start.setdefault(id(pc.p), dict(sts[pc.p]))
-                    self._widen_piece(pc, {k: v for k,v in st.items() if k not in _key.values()})
+                    self._widen_piece(pc, dict(st))
                 step_pieces(opt, ch, self.fused)
             finally:  # put back even if the step raised: no param is left half-way
                 for pc in ch: self._narrow_piece(pc); pc.q = pc.st = None  # a first step's new slice states go now, not at the step's end
@@ -281,14 +268,6 @@ def use_lean_masters(opt, # the fit's optimizer
     return opt
 
 # %% ../nbs/09b_masters.ipynb #32c39158
-def without_bits(sd:dict # an optimizer's `state_dict()` (fastai's or torch's)
-                )->dict:
-    "`sd` without the lean masters' bits: a checkpoint's fp32 weights hold them, and a plain fp32 fit loads it"
-    drop = lambda s: {k:v for k,v in s.items() if k not in _key.values()} if isinstance(s, dict) else s
-    st = sd.get('state') if isinstance(sd, dict) else None
-    if isinstance(st, list): return {**sd, 'state': [drop(s) for s in st]}  # fastai's
-    return {**sd, 'state': {i: drop(s) for i,s in st.items()}} if isinstance(st, dict) else sd  # torch's
-
 def _lean_for(mp, r)->LeanMasters:
     "`MixedPrecision` `mp`'s lean masters for fit state `r`: the params `ModelToHalf` computes in half made lean (at `before_fit`)"
     check_masters(mp.masters, mp.opt_states, r.dt, mp.master_weights)

@@ -22,7 +22,7 @@ from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
-from .window import _gan, _cast_io, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
+from .window import _gan, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
 from .lean_in_flight import LeanInFlight
 from .masters import LeanMasters, check_masters, _lean_for, _step_lean
 
@@ -33,7 +33,7 @@ __all__ = ['MixedPrecision']
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
     ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth = False, None, None, True, None, (), None, None, None, False, None, (), None, None
-    def __init__(self, dt, mth): self.dt, self.mth, self.off, self.hooks, self.rest = dt, mth, dt == torch.float32, [], None
+    def __init__(self, dt, mth): self.dt, self.mth, self.off, self.rest = dt, mth, dt == torch.float32, None
 
 class MixedPrecision(Callback):
     "Half inputs, the model in flight in half (`ModelToHalf`), fp32 loss, static or dynamic loss scaling, fp32 unscaled grads"
@@ -89,6 +89,10 @@ class MixedPrecision(Callback):
 
     @property
     def loss_scale(self)->float: return self.scaler.scale
+    def master(self, p:torch.Tensor)->torch.Tensor:
+        "`p`'s fp32 value, as the optimizer steps it: a new fp32 tensor for a lean param (bf16 in a fit with `masters='split'`...), else `p`"
+        lean = getattr(self._run, 'lean', None)
+        return p if lean is None else lean.master(p)
     def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': getattr(self.lean, 'steps', 0)}
     def _checked_state(self, sd:dict)->tuple:
         "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
@@ -121,22 +125,19 @@ class MixedPrecision(Callback):
         if r.off: return  # a plain fp32 run: `to_half('auto')` where fp32 is fastest, fp16 inference on CPU
         if _in_fit(self.learn): self._for_dtype(r.dt)
         gan = _gan(self.learn)
-        if gan is not None: r.gan = [gan[0].generator, gan[0].critic]
+        r.gan = gan is not None  # its loss calls its models: the window stays open until the loss is computed
         if self.masters != 'fp32' and _in_fit(self.learn): r.lean = _lean_for(self, r)  # params bf16 at rest, before DDP wraps them
         if r.lean and r.mth._run is not None: r.mth._run.lean = LeanInFlight(r.lean)  # exact fp32 values for what computes in fp32
 
     def _fly(self):
-        "The window opens: the model computes in half (its params cast inside autograd)"
+        "The window opens: the model computes in half (autocast, or its ops cast one by one)"
+        self._run.mth.fly()
+    def _land(self):
+        "The window closes: plain fp32"
+        self._run.mth.land()
+    def _yb_back(self):
         r = self._run
-        r.mth.fly()
-        if r.gan and not r.hooks: r.hooks = _cast_io(r.gan, r.dt, self.loss_fp32, getattr(r.mth._run, 'ops', None))
-    def _land(self, keep:bool=False):
-        "The window closes: the model at rest, its own fp32 tensors; the targets as the DataLoader gave them"
-        r = self._run
-        for h in r.hooks: h.remove()
-        r.hooks = []
-        r.mth.land(keep)
-        if r.yb is not None: self.learn.yb, r.yb = r.yb, None
+        if r.yb is not None: self.learn.yb, r.yb = r.yb, None  # the targets as the DataLoader gave them
 
     @contextmanager
     def in_flight(self):
@@ -153,10 +154,6 @@ class MixedPrecision(Callback):
         if r is not None and not r.off and not r.ready: self._setup()
     def after_train(self):
         if getattr(self._run, 'smooth', None) is not None: self._run.smooth.put_back()  # before fastai's Recorder logs it
-    def before_validate(self):
-        if self._run is not None and not self._run.off: self._fly()
-    def after_validate(self):
-        if self._run is not None and not self._run.off: self._land()
 
     def _setup(self):
         "What the fit's steps need, made at its first training batch: `validate` and `get_preds` need none of it"
@@ -189,40 +186,40 @@ class MixedPrecision(Callback):
             for cb in self.learn.cbs:  # MixUp/CutMix mix the half losses with `torch.lerp`: its weight in their dtype
                 lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
                 if isinstance(lam, torch.Tensor) and lam.is_floating_point(): cb.lam = lam.to(r.dt)
-        if not self.training: return
-        m = self.learn.model
+        if self.training: self._before_train_batch(r, self.learn.model)
+        self._fly()
+    def _before_train_batch(self, r, m):
         if r.ready and r.fresh: r.smooth.mark()  # fastai's smoothed loss before this step's batches
-        if r.ready and r.fresh and self.guard_buffers:  # at rest, before a step's first forward
+        if r.ready and r.fresh and self.guard_buffers:  # before a step's first forward
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
         if isinstance(m, DistributedDataParallel) and r.ddp is not m:
             _compress(m, r.dt); r.ddp = m
             if r.lean: r.lean.broadcast()  # rank 0's low bits too: DDP broadcast its bf16 params
         if r.rest is not None: r.rest.stop(); r.rest.rescale()
-        self._fly()
 
     def after_pred(self):
         r = self._run
-        if self.loss_fp32 and r is not None and not r.off: self.learn.pred = cast_floats(self.pred, torch.float32)
+        if r is None or r.off: return
+        if not r.gan: self._land()  # the predictions made: the loss and the callbacks until the next batch see plain fp32
+        if self.loss_fp32: self.learn.pred = cast_floats(self.pred, torch.float32)
     def after_loss(self):
         r = self._run
         if r is None or r.off: return
-        # at rest until the backward starts (`before_backward` sees the fp32 params: grads added there stay); the casts are kept
-        if self.training: self._land(keep=True)
+        self._land(); self._yb_back()  # a GAN's loss computed
         if isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
     def after_cancel_batch(self): self._landed()
     def after_batch(self): self._landed()
     def _landed(self):
         r = self._run
         if r is None or r.off: return
-        if self.training: self._land()  # a batch cancelled before its backward, or without one
-        elif r.yb is not None: self.learn.yb, r.yb = r.yb, None
+        self._land(); self._yb_back()  # a batch cancelled in its forward
     def _backward_starts(self):
-        "fastai's backward starts (`Learner._backward`, as `window` wraps it): the forward's casts back in the model for its recomputations"
+        "fastai's backward starts (`Learner._backward`, as `window` wraps it): what a checkpointed block's recomputation needs"
         r = self._run
         if r is not None and not r.off and self.training: r.mth.reopen()
     def _backward_done(self):
-        "fastai's backward is over: the window closes, before any callback's `after_backward`"
+        "fastai's backward is over: what it needed off, before any callback's `after_backward`"
         r = self._run
         if r is None or r.off: return
         self._land()

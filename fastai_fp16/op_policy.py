@@ -8,7 +8,7 @@ import functools, inspect, threading
 import torch, torch.nn as nn, torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['autocast_ok', 'autocast_hooks', 'autocast_off', 'autocast_off_hooks', 'widening']
+__all__ = ['autocast_ok', 'enter_autocast', 'exit_autocast', 'autocast_off', 'regions', 'widening']
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a006
 def autocast_ok(device_type:str, # a device type: 'cuda', 'cpu', 'mps'...
@@ -17,27 +17,20 @@ def autocast_ok(device_type:str, # a device type: 'cuda', 'cpu', 'mps'...
     try: return bool(torch.amp.is_autocast_available(device_type))
     except (AttributeError, RuntimeError): return False
 
-def _enter(dev:str, dt:torch.dtype)->tuple:
-    "autocast on for `dev` in `dt`, as `torch.autocast.__enter__` sets it (without its Python checks): the state it replaced"
-    prev = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
-    torch.set_autocast_enabled(dev, True); torch.set_autocast_dtype(dev, dt); torch.autocast_increment_nesting()
+def enter_autocast(device_type:str, # 'cuda', 'cpu'...
+                   dtype:torch.dtype, # what autocast lowers to
+                  )->tuple: # the state it replaced, for `exit_autocast`
+    "autocast on for `device_type` in `dtype`, for this thread, as `torch.autocast.__enter__` sets it (without its Python checks)"
+    prev = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True); torch.set_autocast_dtype(device_type, dtype); torch.autocast_increment_nesting()
     return prev
 
-def _exit(dev:str, prev:tuple):
-    "Back to the state `_enter` replaced; the outermost exit frees autocast's cache of casts, as `torch.autocast.__exit__` does"
+def exit_autocast(device_type:str, # as given to `enter_autocast`
+                  prev:tuple, # what `enter_autocast` returned
+                 ):
+    "Back to the state `enter_autocast` replaced; the outermost exit frees autocast's cache of casts, as `torch.autocast.__exit__` does"
     if torch.autocast_decrement_nesting() == 0: torch.clear_autocast_cache()
-    torch.set_autocast_enabled(dev, prev[0]); torch.set_autocast_dtype(dev, prev[1])
-
-def autocast_hooks(m:nn.Module, # a module whose forward runs under autocast: the model, a GAN's critic
-                   device_type:str, # 'cuda', 'cpu'...
-                   dtype:torch.dtype, # what autocast lowers to
-                  )->list: # hook handles: `.remove()` each
-    "Hooks that run each forward of `m` under `torch.autocast(device_type, dtype)`, its state put back even if the forward raises"
-    st = []
-    def pre(mod, args): st.append(_enter(device_type, dtype))
-    def post(mod, args, out):
-        if st: _exit(device_type, st.pop())
-    return [m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True, prepend=True)]  # post first: last in, first out
+    torch.set_autocast_enabled(device_type, prev[0]); torch.set_autocast_dtype(device_type, prev[1])
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a00b
 class _Off:
@@ -50,27 +43,14 @@ class _Off:
         if self.on: torch.set_autocast_enabled(self.dev, True)
 
 def autocast_off(device_type:str): # the device type of the tensors computed inside
-    "A context with autocast off for `device_type` (fp32 math, modules kept fp32); the model's casts stay (not a region, see below)"
+    "A context with autocast off for `device_type` (fp32 math, modules kept fp32)"
     # dynamo traces `torch.autocast` (and never calls our region wrapper there); eagerly, the cheaper switch above
     return torch.autocast(device_type, enabled=False) if torch.compiler.is_compiling() else _Off(device_type)
 
-def autocast_off_hooks(m:nn.Module, # a module whose forward computes in fp32 under autocast (its tensors are fp32)
-                       device_type:str, # 'cuda', 'cpu'...
-                       gate=None, # a function: where given, the hooks act only while it returns True
-                      )->list: # hook handles
-    "Hooks that run each forward of `m` with autocast off, turned back on even if the forward raises"
-    st = []
-    def pre(mod, args):
-        if gate is not None and not gate(): return
-        c = autocast_off(device_type); c.__enter__(); st.append(c)
-    def post(mod, args, out):
-        if st: st.pop().__exit__(None, None, None)
-    return [m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True, prepend=True)]  # post first: last in, first out
-
 # %% ../nbs/01c_op_policy.ipynb #c1c0a00e
 _AC = torch.amp.autocast_mode.autocast  # `torch.autocast`, and the base of `torch.cuda.amp.autocast`/`torch.cpu.amp.autocast`
-# the window up in this thread (a fit's casts), for autocast regions and `Module._apply` in flight; kept on the class, so
-# that the wrappers installed once and this module's functions share it however often the module is loaded
+# the window up in this thread (a fit's), for autocast regions and ops that widen in flight; kept on the class, so that
+# this module's functions share it however often the module is loaded
 _tls = _AC.__dict__.get('_fp16_tls') or threading.local()
 _AC._fp16_tls = _tls
 
@@ -79,7 +59,7 @@ def _window():
     return getattr(_tls, 'w', None)
 
 def _activate(w)->callable:
-    "Make `w` the window up in this thread (it has `ops`, `swap(fp32)`, `holds(module)` and `around(f)`); returns what puts the previous back"
+    "Make `w` the window up in this thread (it has `ops`, `fp32`, `regions` and `swap(fp32)`); returns what puts the previous back"
     prev = _window(); _tls.w = w
     def restore(): _tls.w = prev
     return restore
@@ -94,7 +74,7 @@ def _region_enter(enter):
         res = enter(self)
         now = torch.is_autocast_enabled(dev)
         self._fp16_w = w; w.regions.append(w.fp32)  # what its exit puts back
-        if was != now: w.swap(fp32=not now)  # autocast off: the fp32 params and buffers; on again: the casts
+        if was != now: w.swap(fp32=not now)  # autocast off: the lean params' fp32 values; on again: the params
         return res
     __enter__._fp16 = True
     return __enter__
@@ -109,19 +89,18 @@ def _region_exit(exit):
     __exit__._fp16 = True
     return __exit__
 
-def _applying(apply):
-    @functools.wraps(apply)
-    def _apply(self, fn, recurse=True):
-        w = _window()
-        if w is None or not w.holds(self): return apply(self, fn, recurse)
-        restore = _activate(None)  # the modules inside apply themselves as they do
-        try: return w.around(lambda: apply(self, fn, recurse))
-        finally: restore()
-    _apply._fp16 = True
-    return _apply
+_own = lambda f: getattr(f, '__wrapped__', f) if getattr(f, '_fp16', False) else f  # torch's, whatever a reload left
+_AC.__enter__, _AC.__exit__ = _own(_AC.__enter__), _own(_AC.__exit__)
+_regions = [0]  # windows up that need it
 
-if not getattr(_AC.__enter__, '_fp16', False): _AC.__enter__, _AC.__exit__ = _region_enter(_AC.__enter__), _region_exit(_AC.__exit__)
-if not getattr(nn.Module._apply, '_fp16', False): nn.Module._apply = _applying(nn.Module._apply)
+def regions()->callable:
+    "`torch.autocast` regions tell the thread's window while a window needs it (lean params in flight): returns what takes that off"
+    if not _regions[0]: _AC.__enter__, _AC.__exit__ = _region_enter(_AC.__enter__), _region_exit(_AC.__exit__)
+    _regions[0] += 1
+    def off():
+        _regions[0] -= 1
+        if not _regions[0]: _AC.__enter__, _AC.__exit__ = _own(_AC.__enter__), _own(_AC.__exit__)
+    return off
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a0a2
 # ops on none of autocast's lists that need one dtype for their data and the model's tensors: their data (position, name) and

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect, sys
 from functools import cache
 import torch, torch.nn as nn
+from .half_ops import written, tensors_in, is_inplace, inplace_dunders
 
 # %% auto #0
 __all__ = ['raw', 'Watched', 'lean_class', 'Writes']
@@ -27,38 +28,6 @@ def _blockwise(f, *ts):
         for part in zip(*(t.view(-1).split(_block) for t in ts)): f(*part)
     else: f(*ts)
 
-_idunders = {'__setitem__', '__iadd__', '__isub__', '__imul__', '__idiv__', '__itruediv__', '__ifloordiv__', '__imod__',
-             '__ipow__', '__iand__', '__ior__', '__ixor__', '__ilshift__', '__irshift__', '__imatmul__'}
-_not_writes = {'requires_grad_', 'share_memory_', 'rename_', 'detach_'}  # they end in `_` and write no value
-
-def _inplace(name:str)->bool:
-    "Whether a method or function named `name` writes its first argument in place (`mul_`, `__setitem__`, `_foreach_mul_`...)"
-    return name in _idunders or (name.endswith('_') and not name.endswith('__') and name not in _not_writes)
-
-@cache
-def _inplace_at(f)->int|None:
-    "Where `f` takes an `inplace` flag (`F.relu`, `F.dropout`, `F.hardtanh`...), else None"
-    try: ps = list(inspect.signature(f).parameters)
-    except (TypeError, ValueError): return None
-    return ps.index('inplace') if 'inplace' in ps else None
-
-def _written(func, args:tuple, kwargs:dict)->list:
-    "The tensors `func(*args, **kwargs)` writes in place: an in-place op's first argument (each of a `foreach` op's list), `out=`"
-    res, o, name = [], kwargs.get('out'), getattr(func, '__name__', '')
-    if o is not None: res += list(o) if isinstance(o, (list, tuple)) else [o]
-    i = _inplace_at(func) if inspect.isfunction(func) and not _inplace(name) else None
-    if args and (_inplace(name) or kwargs.get('inplace') is True or (i is not None and len(args) > i and args[i] is True)):
-        res += list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
-    return res
-
-def _tensors(args:tuple, kwargs:dict)->list:
-    "The tensors among `args` and `kwargs`' values, and in their lists"
-    res = []
-    for a in (*args, *kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor): res.append(t)
-    return res
-
 # %% ../nbs/09c_writes.ipynb #9c000009
 _tracked = {}  # id(param) -> (param, its `Writes`): the watched params of the fits in progress
 
@@ -70,7 +39,7 @@ def _owner(p)->tuple:
 def _before(t):
     "A write to `t` (a lean param, or an alias of one) is about to happen"
     p, w = _owner(t.__dict__.get('_fp16_p', t))
-    if w is not None: w.before(p)
+    if w is not None and w.bits(p) is not None: w.before(p)  # stochastic rounding keeps no bits: nothing to reset
 
 def _mem(t)->int|None:
     try: return t.untyped_storage().data_ptr()
@@ -88,9 +57,9 @@ class Watched(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with _plain():
-            ws = [t for t in _written(func, args, kwargs) if isinstance(t, Watched)]
+            ws = [t for t in written(func, args, kwargs) if isinstance(t, Watched)]
             for t in ws: _before(t)
-            ins = [t for t in _tensors(args, kwargs) if isinstance(t, Watched) and not any(t is w for w in ws)]
+            ins = [t for t in tensors_in(args, kwargs) if isinstance(t, Watched) and not any(t is w for w in ws)]
             vs = [t._version for t in ins]
             out = func(*args, **kwargs)
             for t,v in zip(ins, vs):  # written by an op not known to write (C++ code handed the alias)
@@ -125,18 +94,49 @@ def _alias(t, p):
     mod = sys._getframe(2).f_globals.get('__name__', '')  # 0: here, 1: `data` or `detach`, 2: who called it
     return t if mod == 'torch' or mod.startswith('torch.') or torch.compiler.is_compiling() else _watch(t, p)
 
+def _master(p)->torch.Tensor:
+    "Lean param `p`'s exact fp32 value, a new tensor (its bf16 value, widened, where no `Writes` watches it)"
+    _, w = _owner(p)
+    return w.master(p) if w is not None else raw(p).float()
+
+def _detach(self):
+    f = sys._getframe(1)
+    if f.f_code.co_name == '_save_to_state_dict' and f.f_globals.get('__name__') == 'torch.nn.modules.module': return _master(self)  # a state dict
+    return _alias(_TB.detach(self), self)
+
 def _deepcopy(self, memo):
-    "A copy of a lean param is a param of its own class, not watched"
-    if id(self) not in memo:
-        memo[id(self)] = type(self)._fp16_base(raw(self).clone(memory_format=torch.preserve_format), self.requires_grad)
+    "A copy of a lean param is a param of its own class, holding its exact fp32 value"
+    if id(self) not in memo: memo[id(self)] = type(self)._fp16_base(_master(self), self.requires_grad)
     return memo[id(self)]
+
+def _reduce_ex(self, proto):
+    "Pickled (`torch.save(model)`) as a param of its own class holding its exact fp32 value"
+    return type(self)._fp16_base(_master(self), self.requires_grad).__reduce_ex__(proto)
+
+def _copy(self, src, non_blocking=False):
+    "`p.copy_(t)`: an fp32 `t` (`load_state_dict`) kept exactly, as `p.data = t` keeps it; else a write like any other"
+    p, w = _owner(self)
+    if (w is not None and isinstance(src, torch.Tensor) and src.dtype == torch.float32 and src.shape == self.shape
+        and src.device == self.device and not (torch.is_grad_enabled() and self.requires_grad)):
+        w.assign(self, src); return self
+    _before(self)
+    return type(self)._fp16_base.copy_(self, src, non_blocking)
+
+def _fp32_new(name:str):
+    f = getattr(torch.Tensor, name)
+    def g(self, *args, **kwargs):
+        kwargs.setdefault('dtype', torch.float32)  # the param's value is fp32: so is what is made from it
+        return f(self, *args, **kwargs)
+    g.__name__ = g.__qualname__ = name
+    return g
 
 @cache
 def lean_class(cls:type)->type:
-    "`cls` (`nn.Parameter`'s, or a subclass') whose in-place methods, `.data` and `.detach()` tell a lean param's `Writes` before it is written"
-    ns = {n: _watching(n, getattr(cls, n)) for n in dir(cls) if (n in _idunders or not n.startswith('_')) and _inplace(n)}
+    "`cls` (`nn.Parameter`'s, or a subclass') whose in-place methods, `.data` and `.detach()` tell a lean param's `Writes` before it is written, and whose copies, pickles and state dicts hold its exact fp32 value"
+    ns = {n: _watching(n, getattr(cls, n)) for n in dir(cls) if (n in inplace_dunders or not n.startswith('_')) and is_inplace(n)}
     ns.update(data=property(lambda self: _alias(raw(self), self), lambda self, v: _TB.data.__set__(self, v)),
-              detach=lambda self: _alias(_TB.detach(self), self), __deepcopy__=_deepcopy, _fp16_base=cls)
+              detach=_detach, __deepcopy__=_deepcopy, __reduce_ex__=_reduce_ex, copy_=_copy, _fp16_base=cls,
+              **{n: _fp32_new(n) for n in ('new_empty', 'new_zeros', 'new_ones', 'new_full', 'new_tensor')})
     return type(f'Lean{cls.__name__}', (cls,), ns)
 
 # %% ../nbs/09c_writes.ipynb #9c000013
@@ -160,10 +160,10 @@ class Writes:
         self.ps, self.hs, self.vers, self.refs, self.dirty, self.lost, self.sticky = [], {}, {}, {}, set(), set(), set()
 
     def watch(self, ps:list):
-        "Watch lean params `ps` (bf16 now): a param that keeps bits takes `lean_class`"
+        "Watch lean params `ps` (bf16 now): each takes `lean_class`"
         for p in ps:
             i = id(p); self.hs[i], self.vers[i] = raw(p), p._version
-            if self.bits(p) is not None: p.__class__ = lean_class(type(p)); _tracked[i] = (p, self)
+            p.__class__ = lean_class(type(p)); _tracked[i] = (p, self)
         self.ps = list(ps)
 
     def unwatch(self):
@@ -226,6 +226,18 @@ class Writes:
             _TB.data.__set__(p, h)
             if p.grad is not None and p.grad.dtype != h.dtype: p.grad = p.grad.to(h.dtype)
         self.hs[i] = raw(p)
+
+    def master(self, p)->torch.Tensor:
+        "`p`'s exact fp32 value, a new tensor (what was written since the last step landed first)"
+        self.settle(p)
+        return self.widen(raw(p), self.bits(p), torch.empty_like(p, dtype=torch.float32))
+
+    def assign(self, p, x:torch.Tensor):
+        "fp32 `x` written into `p` exactly, its bf16 value and bits made from it (as `p.data = x` does)"
+        self.settle(p)
+        self.narrow(x.detach().clone(), raw(p), self.bits(p))  # through `.data`'s own counter: `p._version` stays
+        i = id(p); self.refs.pop(i, None); self.dirty.discard(i); self.lost.discard(i)
+        if i in self.sticky: self.refs[i] = raw(p).clone()
 
     def settle_all(self, ddp:bool=False):
         "`settle` each watched param"

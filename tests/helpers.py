@@ -71,12 +71,12 @@ def moved_alike(a, b, w0, tol=0.2):
         assert abs(n / nr - 1) < tol and torch.linalg.vector_norm(d - r) < tol * nr, (n, nr)
 
 class InForward(Callback):
-    "`f(learn)` read as the forward of `mod(learn.model)` starts (where `to_half`'s casts are: a module holds them only inside its forward), at training batches (`valid`: all); the results in `seen`"
+    "`f(learn, out)` read as the forward of `mod(learn.model)` ends (`out`: what it computed; its params are the model's fp32 ones throughout), at training batches (`valid`: all); the results in `seen`"
     order = 20
     def __init__(self, mod, f, valid=False): self.mod, self.f, self.valid = mod, f, valid
     def before_fit(self):
         self.seen = set()
-        self.h = self.mod(self.learn.model).register_forward_pre_hook(lambda m, a: self._see())
-    def _see(self):
-        if self.training or self.valid: self.seen.add(self.f(self.learn))
+        self.h = self.mod(self.learn.model).register_forward_hook(lambda m, a, o: self._see(o))
+    def _see(self, out):
+        if self.training or self.valid: self.seen.add(self.f(self.learn, out))
     def after_fit(self): self.h.remove()

@@ -53,10 +53,10 @@ def test_a_parts_state_dict_during_a_fit_holds_fp32_values(dtype):
     class PartState(Callback):
         order = 20
         def after_epoch(self): self.part = {k: v.clone() for k,v in self.model[0].state_dict().items()}
-    seen = InForward(lambda m: m[0], lambda l: tuple(p.dtype for p in l.model[0].parameters()))
+    seen = InForward(lambda m: m[0], lambda l, o: (o.dtype, *(p.dtype for p in l.model[0].parameters())))
     learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=[ps := PartState(), seen]).to_half(dtype)
     _quiet_fit(learn, 2, 1e-2)
-    assert seen.seen == {(half_dtype(dtype),) * 2}  # the part computed in half
+    assert seen.seen == {(half_dtype(dtype), torch.float32, torch.float32)}  # the part computed in half, its params fp32
     assert {v.dtype for v in ps.part.values()} == {torch.float32}
     for n,p in learn.model[0].named_parameters(): assert torch.equal(ps.part[n], p)  # the fit's last values
 
@@ -102,14 +102,13 @@ def test_rnn_state_made_at_rest_is_cast_in_flight(dtype):
     assert fp32_everywhere(learn) and all(torch.isfinite(l) for l in learn.recorder.losses)
 
 class MakesFp32(nn.Module):
-    "A forward that makes an fp32 tensor: the usual cause of the two-dtypes error"
+    "A forward that makes an fp32 tensor and adds half activations into it: the usual cause of the two-dtypes error"
     def __init__(self): super().__init__(); self.lin = nn.Linear(4, 2)
-    def forward(self, x): return self.lin(x) + torch.ones(x.shape[0], 4) @ torch.ones(4, 2, dtype=x.dtype)
+    def forward(self, x): return torch.zeros(x.shape[0], 2).index_add(0, torch.arange(x.shape[0]), self.lin(x))
 
 @pytest.mark.parametrize('how', ['fit', 'summary', 'get_preds', 'validate', 'tta', 'predict'])
 def test_two_dtypes_hint_at_every_entry_point(how):
-    # without the op policy: with it (the default), autocast lowers that matmul and the model trains (test_user_models.py)
-    learn = Learner(exportable_dls(), MakesFp32(), loss_func=nn.MSELoss()).to_half('bf16', autocast=False)
+    learn = Learner(exportable_dls(), MakesFp32(), loss_func=nn.MSELoss()).to_half('bf16')
     w = learn.model.lin.weight.detach().clone()
     # a CPU with fast bf16 kernels, where inference runs bf16 too (without them `validate`/`get_preds` run fp32: no error)
     with assume_capabilities(cpu_caps('avx512_bf16')), pytest.raises(RuntimeError) as e, learn.no_bar(), learn.no_logging():

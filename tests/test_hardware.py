@@ -15,22 +15,20 @@ def conv_dls(seed=0):
     g = torch.Generator().manual_seed(seed)
     return dls_from(torch.rand(40, 3, 8, 8, generator=g), torch.randint(0, 2, (40,), generator=g), bs=8, n_valid=8)
 
-def _patched(m)->bool:
-    "Whether fp32 math patched `m`'s forward (under the window's own wrapper, if any)"
-    f = m.__dict__.get('forward')
-    f = getattr(f, '__wrapped__', f)
-    return f is not None and getattr(f, '__func__', None) is not type(m).forward
+def _fp32_math(o)->bool:
+    "Whether output `o` came out of fp32 math (`fp32math`'s autograd functions) rather than the layer's own kernel"
+    return o.grad_fn is not None and 'Fp32' in o.grad_fn.name()
 
 class Seen(Callback):
-    "The dtypes of the conv weight and input, and whether the conv layer was patched, at each training batch"
+    "At each training batch, what the conv layer computed in (its output's dtype, its weight's) and whether the conv and linear layers ran fp32 math"
     order = 20
     def before_fit(self):
-        self.got, self.x = set(), None
-        self.h = self.model[0].register_forward_pre_hook(lambda m, a: setattr(self, 'x', (m.weight.dtype, a[0].dtype)))  # what the layer computes with
+        self.got, self.x = set(), {}
+        self.hs = [self.model[i].register_forward_hook(lambda m, a, o, i=i: self.x.__setitem__(i, (o.dtype, m.weight.dtype, _fp32_math(o)))) for i in (0, 5)]
     def after_pred(self):
-        m = self.model[0]
-        self.got.add((*self.x, '_conv_forward' in m.__dict__, _patched(self.model[5])))
-    def after_fit(self): self.h.remove()
+        if self.training: self.got.add((self.x[0][0], self.x[0][1], self.x[0][2], self.x[5][2]))
+    def after_fit(self):
+        for h in self.hs: h.remove()
 
 def fit(learn, n=1, lr=1e-2, **kw):
     with learn.no_bar(), learn.no_logging(): learn.fit(n, lr, **kw)
@@ -40,11 +38,11 @@ def fit(learn, n=1, lr=1e-2, **kw):
     ('avx2', 'bf16', (torch.bfloat16, True)), ('avx2', 'fp16', (torch.float16, True)),
     ('avx512_bf16', 'bf16', (torch.bfloat16, False)), ('amx', 'bf16', (torch.bfloat16, False)), ('amx', 'fp16', (torch.float16, True))])
 def test_fit_runs_the_planned_kernels(cls, dtype, expected):
-    "In a fit the model is in the planned dtype, and its conv and linear layers compute in fp32 exactly when planned"
+    "In a fit the model computes in the planned dtype (its params fp32), and its conv and linear layers compute in fp32 exactly when planned"
     learn = Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half(dtype)
     with assume_capabilities(cpu_caps(cls)): fit(learn)
     dt, f32 = expected
-    assert s.got == {(dt, dt, f32, f32)}, s.got
+    assert s.got == {(dt, torch.float32, f32, f32)}, s.got
     assert learn.model_to_half.plan == plan_fit(cpu_caps(cls), dtype, model=learn.model)  # the memory format too
     assert fp32_everywhere(learn) and not any(k in m.__dict__ for m in learn.model.modules() for k in ('forward', '_conv_forward'))
 
@@ -115,7 +113,7 @@ def test_inference_without_fast_kernels_runs_fp32():
     "Outside a fit (validate, get_preds) a dtype without fast kernels here runs fp32; with them, half"
     learn = fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=(s := Seen())).to_half('bf16'))
     for cls, dt in (('avx2', torch.float32), ('avx512_bf16', torch.bfloat16)):
-        with assume_capabilities(cpu_caps(cls)): learn.validate(cbs=(d := InForward(lambda m: m[0], lambda l: l.model[0].weight.dtype, valid=True)))
+        with assume_capabilities(cpu_caps(cls)): learn.validate(cbs=(d := InForward(lambda m: m[0], lambda l, o: o.dtype, valid=True)))
         assert d.seen == {dt}, (cls, d.seen)
 
 def test_auto_scale_follows_the_dtype():

@@ -136,7 +136,7 @@ class OffHead(nn.Module):
 
 class Spy(Callback):
     order = 20
-    def before_fit(self): self.h = self.model.body.register_forward_pre_hook(lambda m, a: setattr(self, 'body', m.weight.dtype))
+    def before_fit(self): self.h = self.model.body.register_forward_hook(lambda m, a, o: setattr(self, 'body', o.dtype))
     def after_pred(self):
         if self.training: self.seen = (self.model.seen, self.pred.dtype, self.body)
     def after_fit(self): self.h.remove()
@@ -146,7 +146,7 @@ def test_autocast_off_in_the_model_computes_fp32(dtype):
     spy = Spy()
     trains_as_fp32(OffHead, dtype, cbs=lambda: [spy])  # the raw two-dtypes error before
     half = torch.bfloat16 if dtype == 'bf16' else torch.float16
-    # inside the region: the head's fp32 params (all of the model's), autocast off; the body computed with its cast
+    # inside the region: the head's fp32 params (all of the model's), autocast off; the body computed in half
     assert spy.seen == ((torch.float32, torch.float32, False), torch.float32, half), spy.seen
 
 class SAM(Callback):
@@ -207,11 +207,11 @@ class LazyNet(nn.Module):
     def forward(self, x): return self.b(F.relu(self.a(x)))
 
 class LazySpy(Callback):
-    "The lazy weight's dtype at each training batch; every param as the first forward made it (in fp32, where none is cast)"
+    "The dtype the lazy layer computes in at each training batch; every param as the first forward made it"
     order = 20
     def before_fit(self):
         self.seen, self.w0 = [], None
-        self.h = self.model.a.register_forward_pre_hook(lambda m, a: setattr(self, 'a', m._parameters['weight'].dtype))
+        self.h = self.model.a.register_forward_hook(lambda m, a, o: setattr(self, 'a', o.dtype))
     def after_pred(self):
         if not self.training: return
         self.seen.append(self.a)  # as the lazy layer computed: read inside its forward
@@ -227,8 +227,8 @@ def test_lazy_module(dtype):
         torch.manual_seed(1); a = fit(ref, 'fp32', [ref_spy])  # the params are made at the first forward, from the same random state
         torch.manual_seed(1); b = fit(m, dtype, [spy])  # "in_features inferred from input: 4 is not equal to ... 0" before
     half = torch.bfloat16 if dtype == 'bf16' else torch.float16
-    assert spy.seen == [torch.float32] + [half] * 5  # made fp32 at its first forward, converted from the next batch
-    assert torch.equal(spy.w0[0], ref_spy.w0[0])  # the same start (the other params: half casts at that moment)
+    assert spy.seen == [half] * 6  # made fp32 at its first forward, computing in half from then on, as under autocast
+    assert torch.equal(spy.w0[0], ref_spy.w0[0])  # the same start
     moved_alike(params(b), params(a), ref_spy.w0, tol=0.25)
     assert type(m.a) is nn.Linear and fp32_everywhere(b)
 
@@ -247,11 +247,13 @@ def test_fp32_math_and_kept_modules_compute_fp32_under_autocast():
     x = torch.randn(2, 2, 4, 4, dtype=torch.float16, requires_grad=True)
     with torch.autocast('cpu', dtype=torch.float16), Ops() as ops: m(x).float().sum().backward()
     assert ops.seen == {torch.float32}, ops.seen  # fp16 kernels (100x slower on a CPU) without the guard
+    from fastai_fp16.half_ops import KeptFp32
     lin = nn.Linear(2, 2)
-    hs = run_fp32([lin], torch.bfloat16, 'cpu')
-    with torch.autocast('cpu', dtype=torch.bfloat16), Ops() as ops: out = lin(torch.randn(3, 2, dtype=torch.bfloat16))
-    assert ops.seen == {torch.float32} and out.dtype == torch.bfloat16  # fp32 inside, the model's dtype out
-    for h in hs: h.remove()
+    kept = KeptFp32('cpu'); kept.find([lin]); kept.on = True
+    try:
+        with torch.autocast('cpu', dtype=torch.bfloat16), Ops() as ops: out = lin(torch.randn(3, 2, dtype=torch.bfloat16))
+    finally: kept.remove()
+    assert ops.seen == {torch.float32} and out.dtype == torch.float32  # fp32 inside, and out, as an autocast-off region
 
 class MidFitHook(Callback):
     "A forward hook put on layer `i` after the first batch, and what it saw"
@@ -262,17 +264,15 @@ class MidFitHook(Callback):
         if self.h is None: self.h = self.model[self.i].register_forward_hook(lambda m, a, o: self.seen.append(o.dtype))
     def after_fit(self): self.h.remove()
 
-def test_kept_modules_hooks_go_on_once_a_fit(monkeypatch):
-    "A `keep_fp32` module's hooks go on once a fit (not twice a batch), act in the fit's windows only, still run after a hook added mid-fit, and are gone after"
+def test_kept_modules_run_fp32_with_nothing_in_the_model(monkeypatch):
+    "A `keep_fp32` module runs in fp32 through torch's global hooks: none is put on the model, a hook added mid-fit sees its fp32 output, as in fp32"
     regs, orig = [], nn.Module.register_forward_pre_hook
     monkeypatch.setattr(nn.Module, 'register_forward_pre_hook', lambda self, *a, **k: regs.append(self) or orig(self, *a, **k))
     m, spy, ref_spy = tiny_model(), MidFitHook(3), MidFitHook(3)
     ref = fit(copy.deepcopy(m), 'fp32', [ref_spy])
     learn = fit(m, 'bf16', [spy], keep_fp32=['3'])
-    # run_fp32's and autocast-off's pre-hooks at the first window, and again (to run last) once the spy's came: 4 in all, where
-    # they went on at each window before (the forward's and the backward's: 4 a batch)
-    assert regs.count(m[3]) == 4, regs.count(m[3])
-    assert len(spy.seen) == len(ref_spy.seen) and set(spy.seen) == {torch.float32}  # the layer's own output, as in fp32: ours run after
+    assert not regs  # no hook on any module of the model
+    assert len(spy.seen) == len(ref_spy.seen) and set(spy.seen) == {torch.float32}  # the layer's own output, as in fp32
     assert not m[3]._forward_pre_hooks and not m[3]._forward_hooks  # none left after the fit
     assert m[3](torch.randn(3, 8)).dtype == torch.float32 and learn.model is m
 

@@ -107,13 +107,13 @@ def test_mixup_preview_by_hand(dtype):
             b = dls.one_batch()
             learn._split(b)
             learn('before_train')
-            seen = InForward(lambda m: m[0], lambda l: l.model[0].weight.dtype, valid=True)
-            seen.learn = learn; seen.before_fit()  # a pre-hook on the first layer (before the batch: the casts run before it)
+            seen = InForward(lambda m: m[0], lambda l, o: o.dtype, valid=True)
+            seen.learn = learn; seen.before_fit()  # a hook on the first layer: what it computes
             learn('before_batch')
             assert learn.xb[0].dtype == torch.float32  # the batch as it comes: the model casts it as it gets it
-            assert learn.model[0].weight.dtype == torch.float32  # a module holds its cast only inside its own forward...
+            assert learn.model[0].weight.dtype == torch.float32  # the model's own fp32 params, always...
             learn.model(*learn.xb); seen.after_fit()
-            assert seen.seen == {torch.bfloat16 if dtype == 'bf16' else torch.float32}  # ...there half (fp16: fp32 outside a fit)
+            assert seen.seen == {torch.bfloat16 if dtype == 'bf16' else torch.float32}  # ...computing in half (fp16: fp32 outside a fit)
             assert learn.opt is None
     assert fp32_everywhere(learn)
 

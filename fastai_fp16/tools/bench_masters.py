@@ -40,7 +40,7 @@ def mlp(width:int=2048, # the features of every layer
     return nn.Sequential(*[m for i in range(depth) for m in ([nn.ReLU()] if i else []) + [nn.Linear(width, width)]])
 
 def held_bytes(learn:Learner)->dict:
-    "Bytes held now by the model's params, their grads and the optimizer's state tensors (each storage once)"
+    "Bytes held now by the model's params, their grads, and the optimizer's state tensors with the lean masters' bits (each storage once)"
     seen, res = set(), dict(params=0, grads=0, states=0)
     def add(k, t):
         if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in seen: return
@@ -48,6 +48,8 @@ def held_bytes(learn:Learner)->dict:
     for p in learn.model.parameters():
         add('params', p); add('grads', p.grad)
         for v in (learn.opt.state.get(p, {}) if learn.opt else {}).values(): add('states', v)
+    lean = getattr(learn.__dict__.get('mixed_precision'), 'lean', None)
+    for b in (getattr(lean, 'bits', None) or {}).values(): add('states', b)  # split's low bits, Kahan's compensation: beside the params
     return res
 
 class OptTimer(Callback):
