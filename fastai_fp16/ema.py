@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
-from fastai.callback.schedule import LRFinder
 from .half_model import ModelToHalf
 from .fit_guard import _in_fit
 
@@ -63,7 +62,8 @@ class EMA(Callback):
 
     def before_fit(self):
         if getattr(self, '_depth', 0): self._depth += 1; return  # `validate`/`get_preds` inside the fit: not a fit of its own
-        if not _in_fit(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return  # nor lr_find's trial steps
+        if not _in_fit(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): return  # nor lr_find's trial steps (fastai's
+        # `LRFinder`, not imported here: fastai.callback.schedule imports fastai's progress bars, which join fastai's default callbacks)
         if getattr(self, '_applied', None) is not None:
             raise RuntimeError("`learn.fit` inside `with learn.ema.applied():` would train the EMA weights and lose that at the end "
                                "of the block. Fit outside it (`learn.model.load_state_dict(learn.ema.state_dict())` first to go "

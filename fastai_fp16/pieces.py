@@ -146,6 +146,12 @@ def _per_element(k, v, p)->bool:
     "Whether state `k` is a per-element average of `p` (Adam's `grad_avg`, torch's `exp_avg`...), not a count"
     return isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and k != 'step'
 
+def _fp32_states(opt):
+    "The per-element states of `opt`'s fp32 params made fp32 where they are bf16 (`opt_states='bf16'`, between half fits): as fp32 training keeps them"
+    for p, st in opt_state(opt).items():
+        for k,v in list(st.items()):
+            if p.dtype == torch.float32 and _per_element(k, v, p) and v.dtype == torch.bfloat16: st[k] = v.float()  # exactly
+
 def piece_state(pc:Piece,
                 st:dict, # its param's state as the step found it (before any of its slices stepped)
                 ws:Workspace)->dict: # for the fp32 copies of states kept in another dtype

@@ -97,6 +97,18 @@ def test_library_loads_nothing_of_study_or_tools():
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'learner' in lib and r.stdout.strip().splitlines()[-1] == '[]', r.stdout
 
+def test_importing_registers_nothing_in_fastais_defaults():
+    "Issue 56.4: after `from fastai.basics import *`, importing fastai_fp16 (and `.all`) leaves `defaults.callbacks` as it was, and a half fit runs there"
+    code = ("import sys\nfrom fastai.basics import *\nfrom fastai.learner import defaults\nnames = lambda: [c.__name__ for c in defaults.callbacks]\n"
+            "before = names()\nimport fastai_fp16\nafter = names()\nimport fastai_fp16.all\nfrom fastai_fp16.all import *\nafter_all = names()\n"
+            "import torch.nn as nn\nlearn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16')\n"
+            "learn.fit(1, 1e-2); learn.validate()\n"
+            "print(before == after == after_all == names(), 'ProgressCallback' in after_all, 'fastai.callback.progress' in sys.modules)")
+    r = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == 'True False False', r.stdout  # no progress table added to the user's Learners
+
 def test_the_package_shows_its_layers():
     "`ls fastai_fp16`: the library's modules, `study/` and `tools/`; the old names are no files"
     assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != '__pycache__'} == {'study', 'tools'}

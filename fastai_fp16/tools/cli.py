@@ -157,6 +157,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
         dls_fn, size = _data(data, size, tmp)
         set_seed(seed)
         dls = dls_fn(bs=bs, size=size, device=device)
+        import fastai.callback.progress, fastai.callback.schedule  # the bars and table, `fit_one_cycle`
         learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
         if precision != 'fp32': learn.to_half(precision, fp32_math=f32, **({'masters': masters} if masters != 'fp32' else {}))
         tty = sys.stdout.isatty()
