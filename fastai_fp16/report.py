@@ -117,5 +117,6 @@ def skip_summary(skipped:int, # steps skipped in the fit
     return f"fastai_fp16: {skipped} optimizer step{'s' * (skipped != 1)} skipped: {', '.join(why)}."
 
 def is_logging(learn)->bool:
-    "Whether `learn` logs now (not under `learn.no_logging()`, as in `lr_find` and `summary`)"
+    "Whether `learn` runs a fit whose text the user reads: not under `learn.no_logging()` (`summary`), nor `lr_find` (whose trial steps diverge on purpose, and which a `CSVLogger` logs even so)"
+    if hasattr(learn, 'lr_finder'): return False  # fastai's `LRFinder` is on: `ShowGraphCallback` tells it so too
     return getattr(getattr(learn, 'logger', print), '__name__', '') != 'noop'  # fastai's `noop`, not fastcore.basics'

@@ -157,7 +157,7 @@ def _count_skip(mp, # the `MixedPrecision` whose step was skipped
         mp.skipped_search += r.search.normal(mp.scaler)
         return
     mp.skipped_bad_loss += 1
-    if r.said: return
+    if r.said or hasattr(mp.learn, 'lr_finder'): return  # `lr_find`'s trial steps diverge on purpose
     r.said = True
     warn_user(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
               "and the weights left as they were. Look at that batch's data (or lower the learning rate); "

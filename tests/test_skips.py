@@ -109,3 +109,16 @@ def test_the_plan_is_said_once_a_process_before_the_first_batch():
     lines = [l for l in out.splitlines() if l.startswith('to_half(')]
     assert len(lines) == 2 and lines[0].startswith("to_half('bf16') on cpu: bf16 storage, fp32 math"), lines
     assert lines[1].startswith("to_half('bf16', masters='split', opt_states='bf16') on cpu:") and 'optimizer states bf16 at rest' in lines[1]
+
+def test_lr_find_says_nothing_of_its_skips(tmp_path):
+    "`lr_find`'s trial steps diverge on purpose: a NaN loss there is neither warned of nor summed up, a `CSVLogger` on (which logs `lr_find`) or not"
+    from fastai.callback.progress import CSVLogger
+    for cbs in ([], [CSVLogger(fname=str(tmp_path/'log.csv'))]):
+        learn = Learner(synth_dls(n=128, bs=16), tiny_model(), loss_func=nn.MSELoss(), cbs=[*cbs, BadBatches({(0, 2)})])
+        learn.to_half('fp16', init_scale=256., dynamic=False)
+        out = io.StringIO()
+        with warnings.catch_warnings(record=True) as ws, contextlib.redirect_stdout(out), learn.no_bar():
+            warnings.simplefilter('always')
+            learn.lr_find(num_it=5, show_plot=False)
+        assert learn.mixed_precision.skipped_bad_loss == 1  # it skipped the NaN batch: quietly
+        assert not any('fastai_fp16' in str(w.message) for w in ws) and 'skipped' not in out.getvalue(), out.getvalue()

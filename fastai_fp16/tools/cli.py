@@ -101,7 +101,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 fp32_math:str='auto', # convs and linear layers of half models in fp32 math: auto (where the dtype is slow here), on, off
                 deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
-    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots"
+    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots (with the defaults, about 11 minutes on a 2-core CPU shared with other work)"
     import torch, pandas as pd
     from fastai_fp16.study.ladder import compare
     device = _device(device)
@@ -113,7 +113,8 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                       bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
     note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
-            f"torch {torch.__version__}.")
+            f"torch {torch.__version__}. epoch_s is an epoch's wall time (training and validation): it varies from run to run, most "
+            "where other work shares the machine.")
     out = write_results(res, out, note)
     with pd.option_context('display.width', 200, 'display.max_columns', 20):
         print(res.drop(columns='error') if not res.error.any() else res)
