@@ -96,7 +96,8 @@ class SmoothedLoss:
             rec.losses[n:m], self.hole = [rec.losses[m]] * (m - n), None
 
 # %% ../nbs/00b_report.ipynb #b2e7000f
-def scale_text(s:float)->str:
+def scale_text(s:float # a loss scale
+              )->str:
     "A loss scale as a user reads it: `2**20 (1048576)` for a power of two from 1024 (or below 1), else the number"
     e = math.log2(s) if s > 0 and math.isfinite(s) else None
     if e is not None and e == int(e) and (e >= 10 or e < 0): return f"2**{int(e)} ({s:.0f})" if e > 0 else f"2**{int(e)} ({s:g})"
