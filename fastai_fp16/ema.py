@@ -4,13 +4,13 @@
 
 # %% ../nbs/13a_ema.ipynb #5e3a0c03
 from __future__ import annotations
-import warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from .half_model import ModelToHalf
 from .fit_guard import _in_fit
+from .report import warn_user
 
 # %% auto #0
 __all__ = ['EMA']
@@ -76,8 +76,8 @@ class EMA(Callback):
         # the fit's first training batch, at rest: DDP has broadcast rank 0's weights, the model holds its fp32 params
         r.pairs = self._pairs(self.learn.model)
         if r.pairs is not None: return self._live()  # an earlier fit's average goes on
-        if self.avg: warnings.warn("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
-                                   "the average starts again from the weights.", stacklevel=2)
+        if self.avg: warn_user("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
+                               "the average starts again from the weights.", learn=self.learn)  # at the user's `fit` line
         ts, lean = _tracked(_unwrap(self.learn.model), self.buffers == 'ema'), self._lean()
         self.avg, self.n_updates = {n: (lean.master(t) if lean else t).detach().to(_ema_dtype(t), copy=True) for n,t in ts}, 0
         r.pairs = self._pairs(self.learn.model)
