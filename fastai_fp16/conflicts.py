@@ -7,33 +7,35 @@ from __future__ import annotations
 import functools, inspect, sys
 from fastcore.foundation import L
 from fastai.learner import Learner
-from fastai.callback.fp16 import MixedPrecision as FastaiMixedPrecision, ModelToHalf as FastaiModelToHalf, NonNativeMixedPrecision
+# not fastai.callback.fp16: it imports fastai's progress bars, whose import adds `ProgressCallback` to fastai's
+# `defaults.callbacks` (every later Learner prints a table). Its callbacks are found through `sys.modules` instead
 
 # %% auto #0
 __all__ = ['fastai_precision', 'check_fastai_precision', 'named_ours', 'remove_fastai_precision', 'fit_cbs']
 
 # %% ../nbs/08_conflicts.ipynb #a8c0e006
-_fastai_made = {FastaiMixedPrecision: ('`to_fp16()`/`to_bf16()`', '`learn.to_fp32()`'),
-                FastaiModelToHalf: ('`to_non_native_fp16()`', '`learn.to_non_native_fp32()`'),
-                NonNativeMixedPrecision: ('`to_non_native_fp16()`', '`learn.to_non_native_fp32()`')}
+def _fastai_made()->dict:
+    "fastai's own precision callbacks: {class: (the call that adds it, the one that removes it)}; none until fastai.callback.fp16 is imported (by the user)"
+    m = sys.modules.get('fastai.callback.fp16')
+    if m is None: return {}  # nothing imported it: no callback of it can be on a Learner
+    return {m.MixedPrecision: ('`to_fp16()`/`to_bf16()`', '`learn.to_fp32()`'),
+            m.ModelToHalf: ('`to_non_native_fp16()`', '`learn.to_non_native_fp32()`'),
+            m.NonNativeMixedPrecision: ('`to_non_native_fp16()`', '`learn.to_non_native_fp32()`')}
 
 def fastai_precision(learn)->list:
     "fastai's own mixed-precision callbacks on `learn` (from `to_fp16`, `to_bf16`, `to_non_native_fp16`)"
-    return [cb for cb in learn.cbs if isinstance(cb, tuple(_fastai_made))]
+    made = tuple(_fastai_made())
+    return [cb for cb in learn.cbs if isinstance(cb, made)] if made else []
 
 def _ours(learn)->list:
     "fastai_fp16's precision callbacks on `learn` (by their `_fp16_role`: this module cannot import them)"
     return [cb for cb in learn.cbs if getattr(cb, '_fp16_role', None)]
 
-def _theirs(found:list)->str:
-    made = sorted({_fastai_made[type(cb)] for cb in found})
-    return (f"fastai's own mixed precision ({', '.join(sorted({type(cb).__name__ for cb in found}))} from fastai.callback.fp16, "
-            f"added by {' and '.join(m for m,_ in made)})", ' and '.join(f for _,f in made))
-
 def check_fastai_precision(learn, # the Learner to check
                            adding:str|None=None, # the method being called ('to_half', 'to_fp16'...), if any
                           ):
     "Raise if `learn` would have fastai's mixed precision and fastai_fp16's at once"
+    _patch_fastai_fp16()  # fastai's `to_fp16`... refuse from now on, if it was imported after this package
     found, ours = fastai_precision(learn), _ours(learn)
     if adding == 'to_half': ours = ours or ['to_half']
     elif adding: found = found or [adding]
@@ -42,20 +44,24 @@ def check_fastai_precision(learn, # the Learner to check
         raise ValueError(f"`learn.{adding}()` would add fastai's own mixed precision to a Learner that trains with fastai_fp16's "
                          "`to_half()`: two precision systems would both cast the model and scale the loss. Call "
                          f"`learn.to_float()` first to use fastai's instead, or keep `to_half()` alone.")
-    what, fix = _theirs(found)
-    if adding: raise ValueError(f"This Learner already has {what}. Two precision systems would both cast the model and scale the "
-                                f"loss: remove fastai's with {fix} first, then call `learn.to_half()`.")
+    made, names = _fastai_made(), ', '.join(sorted({type(cb).__name__ for cb in found}))
+    if adding:
+        adds, fix = (' and '.join(sorted({made[type(cb)][i] for cb in found})) for i in (0, 1))
+        raise ValueError(f"This Learner already has fastai's own mixed precision ({names} from fastai.callback.fp16, added by {adds}). "
+                         f"Two precision systems would both cast the model and scale the loss: remove fastai's with {fix} first, "
+                         "then call `learn.to_half()`.")
     mine = ', '.join(sorted({type(cb).__name__ for cb in ours}))
-    passed = [cb for cb in found if any(cb is c for c in fit_cbs())]
-    if passed: where, fix = ("passed to this fit (`fit`/`fit_one_cycle`/`fine_tune`'s `cbs=`)", "leave it out of `cbs=`: "
-        "`to_half()` already trains in mixed precision (where `from fastai_fp16.all import *` comes before fastai's star import, "
-        "`MixedPrecision` is fastai's: import fastai_fp16.all last)")
-    else: where, fix = ("on the Learner (from `to_fp16()`, `to_bf16()`, `to_non_native_fp16()`, `add_cb` or `Learner(cbs=...)`)",
-        "remove fastai's alone with `remove_fastai_precision(learn)` (from `fastai_fp16.all`)")
-    raise ValueError(f"This Learner has {what}, {where}, and fastai_fp16's {mine} (from `to_half()`): two precision systems "
-                     f"would both cast the model and scale the loss. Keep one: {fix}; or keep fastai's and remove ours with "
-                     "`learn.to_float()`. (The names clash: fastai_fp16's callbacks are `fastai_fp16.half_model.ModelToHalf`/"
-                     "`fastai_fp16.mixed_precision.MixedPrecision`; `learn.to_half()` adds them.)")
+    if any(cb is c for cb in found for c in fit_cbs()): raise ValueError('\n'.join([  # a few lines, each under 120 characters
+        f"fastai's own mixed precision ({names} from fastai.callback.fp16) was passed to this fit's `cbs=`,",
+        f"on a Learner that trains with fastai_fp16's `to_half()` ({mine}).",
+        "Two precision systems would both cast the model and scale the loss: leave it out of `cbs=`. (Where",
+        "`from fastai_fp16.all import *` comes before fastai's star import, `MixedPrecision` is fastai's: import ours last.)"]))
+    raise ValueError('\n'.join([
+        f"fastai's own mixed precision ({names} from fastai.callback.fp16) is on the Learner (`add_cb`, `Learner(cbs=...)`,",
+        f"`to_fp16()`), beside fastai_fp16's {mine} (from `to_half()`).",
+        "Two precision systems would both cast the model and scale the loss. Keep one: remove fastai's",
+        "alone with `remove_fastai_precision(learn)` (from `fastai_fp16.all`), or ours with `learn.to_float()`.",
+        "(The names clash: ours are `fastai_fp16.half_model.ModelToHalf` and `fastai_fp16.mixed_precision.MixedPrecision`.)"]))
 
 def named_ours(learn):
     "Point `learn.mixed_precision` (and each name of ours) at our callback: fastai's, of the same name, took it when added and removing it deletes it"
@@ -86,5 +92,22 @@ def _refusing(name:str, f):
     _f._fp16 = True
     return _f
 
-for _n in ('to_fp16', 'to_bf16', 'to_non_native_fp16'):
-    if not getattr(getattr(Learner, _n), '_fp16', False): setattr(Learner, _n, _refusing(_n, getattr(Learner, _n)))
+def _to_fp32_too(to32):
+    "fastai's `to_fp32`/`to_non_native_fp32`, which also remove `to_half()`'s callbacks: fp32 training, as they say"
+    @functools.wraps(to32)
+    def _f(self, *args, **kwargs):
+        res = to32(self, *args, **kwargs)  # fastai's own callbacks (a no-op with ours alone)
+        return self.to_float() if _ours(self) else res
+    _f._fp16 = True
+    return _f
+
+def _patch_fastai_fp16():
+    "Once fastai.callback.fp16 is imported: its `to_fp16`/`to_bf16`/`to_non_native_fp16` refuse beside `to_half()`, its `to_fp32`s remove ours too"
+    if 'fastai.callback.fp16' not in sys.modules: return
+    for ns, w in ((('to_fp16', 'to_bf16', 'to_non_native_fp16'), lambda n, f: _refusing(n, f)),
+                  (('to_fp32', 'to_non_native_fp32'), lambda n, f: _to_fp32_too(f))):
+        for n in ns:
+            f = getattr(Learner, n, None)
+            if f is not None and not getattr(f, '_fp16', False): setattr(Learner, n, w(n, f))
+
+_patch_fastai_fp16()

@@ -4,14 +4,13 @@
 
 # %% ../nbs/13a_ema.ipynb #5e3a0c03
 from __future__ import annotations
-import warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
-from fastai.callback.schedule import LRFinder
 from .half_model import ModelToHalf
 from .fit_guard import _in_fit
+from .report import warn_user
 
 # %% auto #0
 __all__ = ['EMA']
@@ -63,7 +62,8 @@ class EMA(Callback):
 
     def before_fit(self):
         if getattr(self, '_depth', 0): self._depth += 1; return  # `validate`/`get_preds` inside the fit: not a fit of its own
-        if not _in_fit(self.learn) or any(isinstance(cb, LRFinder) for cb in self.learn.cbs): return  # nor lr_find's trial steps
+        if not _in_fit(self.learn) or any(type(cb).__name__ == 'LRFinder' for cb in self.learn.cbs): return  # nor lr_find's trial steps (fastai's
+        # `LRFinder`, not imported here: fastai.callback.schedule imports fastai's progress bars, which join fastai's default callbacks)
         if getattr(self, '_applied', None) is not None:
             raise RuntimeError("`learn.fit` inside `with learn.ema.applied():` would train the EMA weights and lose that at the end "
                                "of the block. Fit outside it (`learn.model.load_state_dict(learn.ema.state_dict())` first to go "
@@ -76,8 +76,8 @@ class EMA(Callback):
         # the fit's first training batch, at rest: DDP has broadcast rank 0's weights, the model holds its fp32 params
         r.pairs = self._pairs(self.learn.model)
         if r.pairs is not None: return self._live()  # an earlier fit's average goes on
-        if self.avg: warnings.warn("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
-                                   "the average starts again from the weights.", stacklevel=2)
+        if self.avg: warn_user("EMA: the model's tensors are not those it averaged (another model, or `buffers` changed): "
+                               "the average starts again from the weights.", learn=self.learn)  # at the user's `fit` line
         ts, lean = _tracked(_unwrap(self.learn.model), self.buffers == 'ema'), self._lean()
         self.avg, self.n_updates = {n: (lean.master(t) if lean else t).detach().to(_ema_dtype(t), copy=True) for n,t in ts}, 0
         r.pairs = self._pairs(self.learn.model)

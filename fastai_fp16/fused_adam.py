@@ -10,7 +10,7 @@ from fastai.optimizer import Optimizer, OptimWrapper, weight_decay, l2_reg, aver
 
 # %% auto #0
 __all__ = ['fastai_adam_kind', 'fused_adam_target', 'fused_adam_supported', 'fused_adam_step', 'use_fused_adam',
-           'unuse_fused_adam']
+           'unuse_fused_adam', 'fp32_states']
 
 # %% ../nbs/09a_fused_adam.ipynb #711cbf59
 def _is(f, fn, **kw)->bool:
@@ -135,10 +135,10 @@ def _step_with(run, # a fit's state (`MixedPrecision._run`): its `opt` and wheth
     if getattr(run, 'fused', False): unuse_fused_adam(run.opt)  # the one before gets its own step back
     run.fused = _fused_step_ok(opt, dev, asked, master_weights)
     if run.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
-    if master_weights: _fp32_states(opt)
+    if master_weights: fp32_states(opt)
     run.opt = opt
 
-def _fp32_states(opt):
+def fp32_states(opt):
     "The averages of `opt`'s fp32 params fp32: lean masters with `opt_states='bf16'` leave them bf16 after their fit (one at a time)"
     sts = opt.opt.state if isinstance(opt, OptimWrapper) else getattr(opt, 'state', {})
     for p,st in list(sts.items()):

@@ -4,7 +4,6 @@
 
 # %% ../nbs/01a_half_model.ipynb #9bb21329
 from __future__ import annotations
-import warnings
 import torch, torch.nn as nn
 from torch.nn.parameter import is_lazy
 from fastai.callback.core import Callback
@@ -16,6 +15,7 @@ from .casts import _Casts
 from .op_policy import autocast_ok
 from .conflicts import check_fastai_precision, named_ours, fit_cbs
 from .fit_guard import _role, _in_fit
+from .report import say, warn_user
 
 # %% auto #0
 __all__ = ['ModelToHalf', 'BatchNormToFloat']
@@ -57,6 +57,26 @@ def _model_device(model)->torch.device:
     "Where `model` is (and so runs: fastai moved it there before our `before_fit`)"
     return next((t.device for t in float_tensors(model)), torch.device('cpu'))
 
+def _outside_dtype(plan)->torch.dtype:
+    "What `validate`/`get_preds` outside a fit compute in: the fit's dtype where it runs about as fast as fp32 (fast kernels, or fp32 math), so their figures are the fit's validation's; fp32 where only slow native kernels would run"
+    return plan.dtype if plan.fast or plan.fp32_math else torch.float32
+
+_masters_words = dict(split='bf16 params and their low 16 bits (fp32, exactly)', kahan='bf16 params and a Kahan compensation',
+                      stochastic='bf16 params, stochastically rounded')
+
+def _plan_line(plan, # the fit's `PrecisionPlan`
+               mp=None, # the Learner's `MixedPrecision`: its settings that change what runs
+               outside:bool=False, # `validate`/`get_preds` outside a fit run fp32 (the plan's dtype is slow here)
+              )->str:
+    "The line that says what runs: the plan, the masters and optimizer states where they are not fp32's, and what runs outside a fit"
+    kw = dict(masters='fp32', opt_states='fp32', master_weights=True)
+    kw = {k: getattr(mp, k, d) for k,d in kw.items() if getattr(mp, k, d) != d} if plan.dtype != torch.float32 else {}
+    line = plan.describe(''.join(f", {k}={v!r}" for k,v in kw.items()))
+    if 'masters' in kw: line += f"; masters: {_masters_words[kw['masters']]}" + (", optimizer states bf16 at rest" if 'opt_states' in kw else '')
+    if outside: line += (f"; `validate`/`get_preds` outside a fit run fp32 (native {plan.kernels} is slow here): their figures can "
+                         "differ a little from the fit's validation")
+    return line
+
 def _sparse(m:nn.Module)->bool:
     "An embedding with sparse grads: kept fp32 (sparse grads are unscaled as they are; a half copy could not take them)"
     return isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
@@ -69,7 +89,7 @@ class ModelToHalf(Callback):
     order = 5
     _fp16_role = 'model'
     _stateattrs = ('_run','_depth','_pending','run_dtype')
-    _warned = set()  # slow-plan warnings given in this process: each once
+    _said = set()  # plan lines said in this process: each once (a changed plan is a new line)
     def __init__(self,
         dtype:torch.dtype|str='auto', # 'auto': what is fast where the fit runs (`plan_precision`); or torch.float16 / torch.bfloat16 ('fp16', 'bf16')
         fp32_math:bool|str='auto', # convolutions and linear layers in fp32 math: 'auto' where `dtype` is slow here (CPU)
@@ -79,7 +99,7 @@ class ModelToHalf(Callback):
         if not isinstance(autocast, bool): raise ValueError(f"autocast is True (torch.autocast's per-op policy in flight) or False, got {autocast!r}.")
         self.keep_fp32, self.autocast = keep_fp32, autocast
         self.dtype = half_dtype(dtype, auto=True)  # names in any case
-        self.fp32_math, self.plan, self._announced, self._upcast_said = _fp32_math_arg(fp32_math), None, False, False
+        self.fp32_math, self.plan, self._announced = _fp32_math_arg(fp32_math), None, False  # `_announced`: the caller says the plan itself
 
     def _check(self):
         _check_setup(self.learn)
@@ -95,8 +115,7 @@ class ModelToHalf(Callback):
         model = learn.model
         self._upcast([t for t in float_tensors(model) if t.dtype in (torch.float16, torch.bfloat16)])
         plan = plan_fit(detect(_model_device(model)), self.dtype, self.fp32_math, model, layout_asked(learn))
-        # outside a fit (validate, get_preds, predict) a dtype without fast kernels here runs fp32: faster, no less exact
-        self.run_dtype = plan.dtype if fit or plan.fast else torch.float32
+        self.run_dtype = plan.dtype if fit else _outside_dtype(plan)  # outside a fit (validate, get_preds, predict)
         self._run, self._depth = None, 1  # only once checks passed: a failed `before_fit` leaves no run state
         if self.run_dtype != torch.float32:
             mp = next(iter(_role(learn, 'mixed')), None)
@@ -105,7 +124,8 @@ class ModelToHalf(Callback):
             dev = _model_device(model).type
             ops = dev if getattr(self, 'autocast', True) and autocast_ok(dev) else None
             self._run = _Casts(self.run_dtype, self._pick, plan.fp32_math, at_rest=ts, ops=ops)
-        if fit: self.plan = plan; self._tell(plan, layout_asked(learn) is None)
+        if fit: self.plan = plan
+        self._tell(plan, layout_asked(learn) is None, fit)  # before the first batch of whatever runs first: `lr_find` too
 
     def _pick(self, model)->tuple:
         "(params, buffers) computed in half, as (dict, name, tensor) registrations, and the modules run in fp32: not fp64 tensors, nor those kept fp32"
@@ -132,27 +152,26 @@ class ModelToHalf(Callback):
     def in_flight(self)->bool: return getattr(getattr(self, '_run', None), 'up', False)
 
     def _upcast(self, half:list):
-        "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said once)"
+        "A model made half before `to_half` (`model.half()`): fp32 first, exactly, so it trains and ends as fp32 (said each time)"
         if not half: return
+        was = sorted({str(t.dtype) for t in half})  # as it was: the warning names these
         for t in half:
             t.data = t.data.float()  # every fp16/bf16 value is an fp32 value: nothing is lost
             if t.grad is not None: t.grad = t.grad.float()
-        if getattr(self, '_upcast_said', False): return
-        self._upcast_said = True
-        warnings.warn(f"The model was already half ({len(half)} {sorted({str(t.dtype) for t in half})} tensors, e.g. from "
-                      "`model.half()`): ModelToHalf made it fp32 first (exactly), so that its params and BatchNorm are fp32 "
-                      "at rest and after each fit. Give `to_half()` the fp32 model; it computes in half for the fit.", stacklevel=3)
+        warn_user(f"The model was already half ({len(half)} tensors in {' and '.join(was)}, e.g. from `model.half()`): "
+                  "ModelToHalf made it fp32 first (exactly), so that its params and BatchNorm are fp32 at rest and after each fit. "
+                  "Give `to_half()` the fp32 model; it computes in half for the fit.", learn=self.learn)
 
-    def _tell(self, plan, auto_layout:bool=False):
-        "Warn once when the plan is slow; say once per Learner, at its first fit that logs, what 'auto' chose, that fp32 math stands in, or channels_last"
-        if plan.warning and plan.warning not in ModelToHalf._warned:
-            ModelToHalf._warned.add(plan.warning); warnings.warn(plan.warning, stacklevel=3)
-        chose = plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto') or (auto_layout and plan.channels_last)
+    def _tell(self, plan, auto_layout:bool=False, fit:bool=True):
+        "Warn at each fit whose plan is slow; say once a process each plan line that tells of a choice: what 'auto' chose, fp32 math standing in, channels_last, the fp32 of runs outside a fit"
+        if fit and plan.warning: warn_user(plan.warning, learn=self.learn)
+        outside = _outside_dtype(plan) != plan.dtype  # `validate` outside a fit: fp32
+        chose = plan.requested == 'auto' or (plan.fp32_math and self.fp32_math == 'auto') or (auto_layout and plan.channels_last) or outside
         if self._announced or not chose: return
-        # not under `learn.no_logging()` (whose `noop` is fastai's, not fastcore.basics'): `lr_find` leaves it to the next fit
-        if getattr(getattr(self.learn, 'logger', print), '__name__', '') == 'noop': return
-        self._announced = True
-        print(plan.describe())
+        line = _plan_line(plan, next(iter(_role(self.learn, 'mixed')), None), outside)
+        if line in ModelToHalf._said: return  # six Learners of one plan: one line
+        ModelToHalf._said.add(line)
+        say(line, self.learn)  # printed, not logged: said before `lr_find`'s first batch too, which logs nothing
 
     def before_batch(self): _raise_pending(self)
 

@@ -11,13 +11,13 @@ from fastcore.basics import patch
 from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
-from fastai.callback.channelslast import ChannelsLast
-from .layout import AutoChannelsLast
+from .layout import AutoChannelsLast, layout_asked
 from .core import half_dtype
 from .half_model import *
 from .mixed_precision import *
 from .conflicts import check_fastai_precision
-from .masters import check_masters
+from .masters import check_masters, check_lean_opt
+from .fused_adam import fp32_states
 from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
@@ -45,30 +45,28 @@ def to_half(self:Learner,
     dtype = half_dtype(dtype, auto=True)  # before any change: a wrong name leaves the Learner as it was
     mp = MixedPrecision(**kwargs)
     if dtype != 'auto': mp._for_dtype(dtype); check_masters(mp.masters, mp.opt_states, dtype)  # its loss scale reads right before the first fit
+    if mp.masters != 'fp32': _lean_steps(self, mp.masters)  # an optimizer lean masters cannot step: refused now, not at the fit
     cbs = [ModelToHalf(dtype, fp32_math, keep_fp32, autocast)] + ([BatchNormToFloat(keep_norm_fp32)] if bn_fp32 else []) + [mp]
-    if channels_last is not False and not any(isinstance(cb, ChannelsLast) for cb in self.cbs):  # the user's is kept
-        cl = ChannelsLast() if channels_last else AutoChannelsLast()  # None: where the fit's plan prefers it
+    if channels_last is not False and layout_asked(self) is False:  # a `ChannelsLast` of the user's is kept
+        cl = AutoChannelsLast(always=bool(channels_last))  # None: where the fit's plan prefers it
         cl._fp16_added = True  # ours to remove in `to_float`
         cbs.insert(0, cl)
     return self.add_cbs(cbs)
 
+def _lean_steps(learn, masters:str):
+    "Refuse the Learner's optimizer where lean `masters` cannot step it: its own, or one its `opt_func` makes as `create_opt` would, for a stand-in param"
+    opt = getattr(learn, 'opt', None)
+    if opt is None:
+        try: opt = learn.opt_func([torch.zeros(1, requires_grad=True)], lr=learn.lr)  # not the model's: `Lookahead` copies its weights
+        except Exception: return  # an `opt_func` that needs the model's own params: the fit checks the optimizer it makes
+    check_lean_opt(opt, masters)
+
 @patch
 def to_float(self:Learner)->Learner:
-    "Remove `to_half`'s callbacks (and the `ChannelsLast` it added): train in fp32 again"
-    return self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _fp16_cbs) or getattr(cb, '_fp16_added', False)])
-
-# %% ../nbs/03_learner.ipynb #7d2e41a1
-def _to_fp32_too(to32):
-    "fastai's `to_fp32`/`to_non_native_fp32`, which also remove `to_half()`'s callbacks: fp32 training, as they say"
-    @functools.wraps(to32)
-    def _f(self, *args, **kwargs):
-        res = to32(self, *args, **kwargs)  # fastai's own callbacks (a no-op with ours alone)
-        return self.to_float() if any(isinstance(cb, _fp16_cbs) for cb in self.cbs) else res
-    _f._fp16 = True
-    return _f
-
-for _n in ('to_fp32', 'to_non_native_fp32'):
-    if not getattr(getattr(Learner, _n), '_fp16', False): setattr(Learner, _n, _to_fp32_too(getattr(Learner, _n)))
+    "Remove `to_half`'s callbacks (and the `ChannelsLast` it added), the optimizer's states fp32: train in fp32 again"
+    self.remove_cbs([cb for cb in self.cbs if isinstance(cb, _fp16_cbs) or getattr(cb, '_fp16_added', False)])
+    if getattr(self, 'opt', None) is not None: fp32_states(self.opt)  # `opt_states='bf16'` left them bf16 after its fits
+    return self
 
 # %% ../nbs/03_learner.ipynb #98dc25ec
 def _mixed(learn): return next((cb for cb in learn.cbs if isinstance(cb, MixedPrecision)), None)

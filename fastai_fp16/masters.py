@@ -14,7 +14,7 @@ from .writes import Writes, raw, _blockwise
 
 # %% auto #0
 __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
-           'LeanMasters', 'use_lean_masters']
+           'check_lean_opt', 'LeanMasters', 'use_lean_masters']
 
 # %% ../nbs/09b_masters.ipynb #0b5b50cd
 def split_into(x:torch.Tensor, # fp32, used up (its bits are shifted in place)
@@ -86,7 +86,9 @@ def check_masters(masters:str, # how the fp32 masters are kept: one of `masters_
         raise ValueError(f"masters={masters!r} is for bf16: fp16's narrow range needs the loss scale and full fp32 masters. "
                          f"Use `to_half('bf16', masters={masters!r})`, or fp16 with masters='fp32' (the default).")
 
-def _refuse(opt, masters):
+def check_lean_opt(opt, # an optimizer (a fit's, one made mid-fit, or what an `opt_func` makes)
+                   masters:str): # the lean mode asked for
+    "Refuse, saying what to use, an optimizer the lean masters cannot step (one with a step of its own: `Lookahead`, `ranger`)"
     if opt_kind(opt) is None: raise ValueError(
         f"masters={masters!r} steps fastai's optimizers made of steppers (`Adam`, `SGD`, `RAdam`, `Lamb`, `QHAdam`, `Larc`) "
         f"and torch's through `OptimWrapper`, a chunk at a time in fp32; this one is a {type(opt).__name__} with a step "
@@ -137,7 +139,7 @@ class LeanMasters:
               params:list, # the model's fp32 params computed in half: those `opt` holds become lean
               grads:bool=False): # their grads made bf16 (else dropped)
         "Each param bf16 at rest, one at a time (fp32 out as bf16 and its bits come in: memory never holds a model's worth of both)"
-        _refuse(opt, self.mode)
+        check_lean_opt(opt, self.mode)
         held = {id(p) for pg in opt.param_lists for p in pg}
         # kahan and stochastic hold fewer bits than fp32: a frozen param (`freeze`) would only lose its own; it stays fp32
         self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32 and (p.requires_grad or self.mode == 'split')]
@@ -279,7 +281,7 @@ def _lean_for(mp, r)->LeanMasters:
 def _step_lean(run, opt, dev:torch.device, asked:bool|None, master_weights:bool=True):
     "`run` steps `opt` (the fit's, or a new one) through its `LeanMasters`, fastai's `Adam` in the fused kernel where it can"
     if run.opt is not None: unuse_fused_adam(run.opt)
-    if opt is not run.lean.opt: _refuse(opt, run.lean.mode)
+    if opt is not run.lean.opt: check_lean_opt(opt, run.lean.mode)
     run.fused = _fused_step_ok(opt, dev, asked, master_weights, lean=True)
     use_lean_masters(opt, run.lean, fastai_adam_kind(opt) if run.fused else None)
     run.opt = opt

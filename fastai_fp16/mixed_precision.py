@@ -15,8 +15,8 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
-from .scaler import _scaler_for, _count_skip, older_names
-from .report import SmoothedLoss, skip_summary, is_logging, warn_user
+from .scaler import _scaler_for, _count_skip, _Search, older_names
+from .report import SmoothedLoss, skip_summary, is_logging, warn_user, say
 from .buffer_guard import BufferGuard
 from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
@@ -32,7 +32,7 @@ __all__ = ['MixedPrecision']
 # %% ../nbs/02_mixed_precision.ipynb #4e07e4b9
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth = False, None, None, True, None, (), None, None, None, False, None, (), None, None
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth, search = False, None, None, True, None, (), None, None, None, False, None, (), None, None, None
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.rest = dt, mth, dt == torch.float32, None
 
 class MixedPrecision(Callback):
@@ -74,7 +74,7 @@ class MixedPrecision(Callback):
         check_masters(masters, opt_states, master_weights=master_weights)
         store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step,masters,opt_states')
         self.lean = LeanMasters(masters, opt_states) if masters != 'fp32' else None  # kept over fits: its step count too
-        self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
+        self.skipped = self.skipped_overflow = self.skipped_bad_loss = self.skipped_search = 0  # `skipped_search`: of the overflow skips, the scale's normal search
         self.scales = L()
 
     def _make_scaler(self, dtype)->LossScaler: return _scaler_for(dtype, **self._scaler_kw)  # `dtype`'s defaults for what is None
@@ -162,10 +162,10 @@ class MixedPrecision(Callback):
         dev = _model_device(learn.model)
         self._use_opt(learn.opt, dev)  # before anything else: a refusal leaves nothing to undo
         r.ready, self.scales = True, L()
-        self.skipped = self.skipped_overflow = self.skipped_bad_loss = 0
+        self.skipped = self.skipped_overflow = self.skipped_bad_loss = self.skipped_search = 0
         for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
         r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
-        r.rest, r.smooth = _AtRest(self), SmoothedLoss(learn)
+        r.rest, r.smooth, r.search = _AtRest(self), SmoothedLoss(learn), _Search()
 
     def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are
         (_step_lean if self._run.lean else _step_with)(self._run, opt, dev, self.fused_step, self.master_weights)
@@ -261,12 +261,12 @@ class MixedPrecision(Callback):
             if bad_loss: r.smooth.skipped()  # the table's train_loss leaves this step's batches out
             if r.guard is not None: r.guard.restore()  # the forward's BatchNorm stats etc., as before the step
             try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
-            finally: self._refresh_inv_scale(old)
+            finally: self._refresh_inv_scale(old, False)
             raise CancelStepException()
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_([p for p in self.learn.model.parameters() if p.grad is not None], self.clip, foreach=True)
         self.scaler.update(found_inf=False)
-        self._refresh_inv_scale(old)
+        self._refresh_inv_scale(old, True)
         r.stepped = True
 
     def _grads(self)->list: return [p.grad for p in self._opt_params() if p.grad is not None]
@@ -277,7 +277,8 @@ class MixedPrecision(Callback):
         if key != r.pkey: r.pkey, r.ps = key, list({id(p): p for pg in pls for p in pg}.values())
         return r.ps
 
-    def _refresh_inv_scale(self, old):
+    def _refresh_inv_scale(self, old, clean:bool):
+        self._run.search.moved(self.scaler, old, clean)  # which later overflow skips are the scale's search
         if self.loss_scale != old: self._run.inv_scale.fill_(1./self.loss_scale)
 
     def after_step(self):
@@ -288,7 +289,7 @@ class MixedPrecision(Callback):
         self._depth = getattr(self, '_depth', 1) - 1
         if self._depth > 0: return
         if getattr(self._run, 'ready', False) and is_logging(self.learn):  # text below the table, not a row for fastai's loggers
-            if (line := skip_summary(self.skipped, self.skipped_overflow, self.skipped_bad_loss)): print(line)
+            if (line := skip_summary(self.skipped, self.skipped_overflow, self.skipped_bad_loss, self.skipped_search, self.loss_scale)): say(line, self.learn)
         self._fp16_cleanup()
 
     def _fp16_cleanup(self):

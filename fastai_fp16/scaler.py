@@ -6,7 +6,7 @@
 from __future__ import annotations
 import difflib, math, numbers
 import torch
-from .report import warn_user
+from .report import warn_user, scale_text
 
 # %% auto #0
 __all__ = ['LossScaleError', 'LossScaler', 'older_names']
@@ -22,7 +22,10 @@ def _advice(s)->str:
     half = (("clipping the gradients: `learn.to_float().to_half('bf16', clip=1.)`") if not s.dynamic and s.init_scale == 1 else
             ("bf16, which has fp32's range and needs no loss scale: `learn.to_float().to_half('bf16')`; clipping the "
              "gradients: `learn.to_float().to_half('fp16', clip=1.)`"))
-    return (f"Try: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data; "
+    low = (f"min_scale={scale_text(s.min_scale)} may be set too high: the gradients overflow at that scale, so lower it "
+           "(the default is 1: `learn.to_float().to_half('fp16', min_scale=1.)`, with your other settings); else try"
+           if s.dynamic and s.scale <= s.min_scale and s.min_scale > 1 else "Try")
+    return (f"{low}: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data; "
             "or fp32: `learn.to_float()`.")
 
 def _num(v)->bool: return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # NaN and inf: no
@@ -97,13 +100,13 @@ class LossScaler:
             self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)  # 0: spent, every further overflow backs off
             if self.hysteresis_tracker <= 0:
                 if self.scale <= self.min_scale:
-                    raise LossScaleError(f"Gradients overflowed at the minimum loss scale ({self.min_scale:g}) after "
+                    raise LossScaleError(f"Gradients overflowed at the minimum loss scale ({scale_text(self.min_scale)}) after "
                                          f"{self.consecutive_skips} skipped step(s) in a row, so no step can be taken. " + _advice(self))
                 self.scale = max(self.scale*self.backoff_factor, self.min_scale)
         mx = self.max_consecutive_skips
         if mx is not None and self.consecutive_skips >= mx:
             raise LossScaleError(f"{self.consecutive_skips} optimizer steps in a row were skipped for inf/NaN gradients "
-                                 f"or loss (loss scale now {self.scale:g}); the model is not training. " + _advice(self))
+                                 f"or loss (loss scale now {scale_text(self.scale)}); the model is not training. " + _advice(self))
 
     _keys = ('scale','growth_tracker','hysteresis_tracker','consecutive_skips','init_scale','dynamic','growth_factor',
              'backoff_factor','growth_interval','hysteresis','min_scale','max_scale','max_consecutive_skips')
@@ -134,18 +137,31 @@ def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
     if kw.get('dynamic') is None: kw['dynamic'] = not bf
     return LossScaler(**kw)
 
+class _Search:
+    "Which of a fit's overflow skips are a dynamic scale's normal search: all before the fit's first clean step; after it, one back-off per `growth_interval` clean steps"
+    def __init__(self): self.start, self.allow = True, False
+    def normal(self, s:LossScaler)->bool: return s.dynamic and (self.start or self.allow)
+    def moved(self, s:LossScaler, old:float, clean:bool):
+        "`s` updated from scale `old` after a clean step (`clean`) or a skipped one"
+        if clean:  # the first clean step, and each `growth_interval` of them (a growth: the tracker starts again), allow a back-off
+            if self.start or s.growth_tracker == 0: self.start, self.allow = False, True
+        elif s.scale < old and not self.start: self.allow = False  # that back-off: the next overflow skips are news
+
 def _count_skip(mp, # the `MixedPrecision` whose step was skipped
                 bad_loss:bool): # skipped for a non-finite loss (else a grad overflow)
-    "Count a skipped step by its cause; a non-finite loss is said once a fit (the loss scale's overflows are its search)"
+    "Count a skipped step by its cause (before the scaler moves); a non-finite loss is said once a fit"
     mp.skipped += 1
-    if not bad_loss: mp.skipped_overflow += 1; return
-    mp.skipped_bad_loss += 1
     r = mp._run
-    if r.said: return
+    if not bad_loss:
+        mp.skipped_overflow += 1
+        mp.skipped_search += r.search.normal(mp.scaler)
+        return
+    mp.skipped_bad_loss += 1
+    if r.said or hasattr(mp.learn, 'lr_finder'): return  # `lr_find`'s trial steps diverge on purpose
     r.said = True
     warn_user(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
               "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
-              "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.")
+              "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", learn=mp.learn)
 
 # %% ../nbs/01_scaler.ipynb #5c0a1e05
 # what the study (fastai2's `NonNativeMixedPrecision`), fastai v1's `to_fp16`, apex and DeepSpeed called the settings
@@ -173,6 +189,10 @@ def _scale_from(k, v)->dict:
     if _num(v) and v > 1: return dict(growth_factor=float(v), backoff_factor=1/v)  # div_factor: the study grows and backs off by it
     raise ValueError(f"div_factor (the study's name) must be a finite number > 1, got {v!r}. Write `growth_factor=2., backoff_factor=.5`.")
 
+_older = {**_renamed, 'max_loss_scale': 'max_scale', 'loss_scale': 'init_scale', 'static_loss_scale': 'init_scale, dynamic=False',
+          'initial_scale_power': 'init_scale=2**power', 'dynamic_loss_scale': 'dynamic', 'div_factor': 'growth_factor, backoff_factor',
+          **{k: 'nothing: retired' for k in _retired}}  # each older name, as what it is read as (the suggestion says it)
+
 def older_names(older:dict, # settings given by older names (and any unknown ones)
                 given:dict, # ours, as given (the unset ones at their defaults)
                 params:dict, # the signature's parameters: our names (for the unknown) and defaults (for what is given twice)
@@ -189,8 +209,9 @@ def older_names(older:dict, # settings given by older names (and any unknown one
         elif k == 'max_loss_scale': new = dict(max_scale=v)  # the study's cap, and its start (below)
         elif k in ('loss_scale', 'static_loss_scale', 'initial_scale_power', 'dynamic_loss_scale', 'div_factor'): new = _scale_from(k, v)
         else:
-            close = difflib.get_close_matches(k, ours, n=1)
-            raise TypeError(f"Unknown argument {k!r}" + (f": did you mean {close[0]!r}?" if close else ".")
+            close = difflib.get_close_matches(k, [*ours, *_older], n=1)
+            raise TypeError(f"Unknown argument {k!r}" + (f": did you mean {close[0]!r}" + (
+                f" (an older name, read as `{_older[close[0]]}`)" if close[0] in _older else "") + "?" if close else ".")
                             + f" The settings are: {', '.join(ours)}.")
         for a, b in new.items():
             if a in res and res[a] != b: raise TypeError(f"{a} is given twice, by {k!r} and by another name: give it once, as {a}.")

@@ -80,3 +80,20 @@ class InForward(Callback):
     def _see(self, out):
         if self.training or self.valid: self.seen.add(self.f(self.learn, out))
     def after_fit(self): self.h.remove()
+
+def pickled_modules(data:bytes)->set:
+    "The modules a pickle refers to (its GLOBAL and STACK_GLOBAL opcodes), read from its opcodes, not searched for in its bytes"
+    import pickletools
+    mods, pushed, memo = set(), [None, None], {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == 'GLOBAL': mods.add(arg.split(' ')[0]); pushed.append(None)
+        elif op.name == 'STACK_GLOBAL': mods.add(pushed[-2]); pushed.append(None)
+        elif op.name in ('MEMOIZE', 'PUT', 'BINPUT', 'LONG_BINPUT'): memo[len(memo) if op.name == 'MEMOIZE' else arg] = pushed[-1]
+        elif op.name in ('GET', 'BINGET', 'LONG_BINGET'): pushed.append(memo.get(arg))
+        elif op.stack_after: pushed.append(arg if isinstance(arg, str) and op.stack_after[0].name in ('str', 'unicode', 'string') else None)
+    return mods
+
+def exported_modules(fn)->set:
+    "The modules a `learn.export` file refers to: those of the pickle in its zip (a path in it naming a folder is no reference)"
+    import zipfile
+    with zipfile.ZipFile(fn) as z: return set().union(*(pickled_modules(z.read(n)) for n in z.namelist() if n.endswith('.pkl')))

@@ -85,3 +85,22 @@ def test_commands_write_nothing_in_home(tmp_path):
     assert not list(tmp.glob('fastai_fp16_*'))  # the digits' temporary folder is gone
     assert sorted(p.name for p in (out/'compare').iterdir()) == ['loss_scale.png', 'losses.png', 'results.csv', 'results.md']
     assert [p.name for p in (out/'train').iterdir()] == ['model.pkl']
+
+def test_help_says_how_long_compare_takes():
+    "Issue 56.14: `--help` and `compare --help` give the main command's duration on a 2-core CPU"
+    import re
+    for argv in (['--help'], ['compare', '--help']):
+        rc, out = _main(argv)
+        assert rc == 0 and re.search(r'about \d+ minutes on a 2-core CPU', ' '.join(out.split())), out
+
+def test_live_bytes_leaves_kinetos_log_out():
+    "Issue 56.14: torch's profiler (`LiveBytes`) on a machine without a GPU prints no `gpuGetDeviceCount failed` ERROR line (nor its USDT lines)"
+    code = ("import torch.nn as nn\nfrom fastai.learner import Learner\nfrom fastai_fp16.core import synth_dls, tiny_model\n"
+            "from fastai_fp16.tools.bench_live import LiveBytes\n"
+            "learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=LiveBytes(at=1))\n"
+            "learn.fit(1, 1e-2)\nprint(learn.live_bytes.peak is not None)")
+    env = {k: v for k, v in os.environ.items() if k != 'KINETO_LOG_LEVEL'}
+    env['PYTHONPATH'] = os.pathsep.join([str(ROOT), env.get('PYTHONPATH', '')])
+    r = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == 'True', r.stderr[-2000:]
+    assert 'gpuGetDeviceCount' not in r.stderr and 'USDT' not in r.stderr, r.stderr[-2000:]

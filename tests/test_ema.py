@@ -133,7 +133,8 @@ def test_export_and_load_learner(tmp_path):
     learn.export('weights.pkl')
     with learn.ema.applied(): learn.export('ema.pkl')
     for f in ('weights.pkl', 'ema.pkl'):
-        with zipfile.ZipFile(tmp_path/f) as z: assert not any(b'fastai_fp16' in z.read(n) for n in z.namelist())
+        mods = exported_modules(tmp_path/f)  # what loading it imports (a path naming a `fastai_fp16` folder is none of it)
+        assert 'fastai.learner' in mods and not any(m.split('.')[0] == 'fastai_fp16' for m in mods), mods
     w, e = load_learner(tmp_path/'weights.pkl'), load_learner(tmp_path/'ema.pkl')
     assert not hasattr(w, 'ema') and fp32_everywhere(e)
     eq(flat(w.model.parameters()), flat(learn.model.parameters()))
@@ -173,3 +174,17 @@ def test_a_callback_reading_params_mid_fit_sees_the_fp32_params_the_optimizer_st
     eq(r.dtypes, {torch.float32})
     assert r.is_opts and r.sd_ok
     assert not torch.equal(r.w.bfloat16().float(), r.w)  # finer than bf16
+
+def test_a_new_model_is_said_at_the_users_fit_line():
+    "Issue 56.8: the EMA's 'not those it averaged' warning names the user's `fit` line, at each fit that meets it"
+    import warnings
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=EMA(0.9)).to_half('bf16')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 0.1)
+    with warnings.catch_warnings(record=True) as ws, learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('default')
+        for m in (nn.Linear(4, 2), tiny_model()):
+            learn.model = m  # another model: the average's tensors are not its
+            learn.fit(1, 0.1)  # a new model: said here
+    said = [w for w in ws if 'not those it averaged' in str(w.message)]
+    src = open(__file__).read().splitlines()
+    assert len(said) == 2 and all(w.filename == __file__ and 'said here' in src[w.lineno - 1] for w in said), [(w.filename, w.lineno) for w in said]

@@ -97,6 +97,18 @@ def test_library_loads_nothing_of_study_or_tools():
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'learner' in lib and r.stdout.strip().splitlines()[-1] == '[]', r.stdout
 
+def test_importing_registers_nothing_in_fastais_defaults():
+    "Issue 56.4: after `from fastai.basics import *`, importing fastai_fp16 (and `.all`) leaves `defaults.callbacks` as it was, and a half fit runs there"
+    code = ("import sys\nfrom fastai.basics import *\nfrom fastai.learner import defaults\nnames = lambda: [c.__name__ for c in defaults.callbacks]\n"
+            "before = names()\nimport fastai_fp16\nafter = names()\nimport fastai_fp16.all\nfrom fastai_fp16.all import *\nafter_all = names()\n"
+            "import torch.nn as nn\nlearn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16')\n"
+            "learn.fit(1, 1e-2); learn.validate()\n"
+            "print(before == after == after_all == names(), 'ProgressCallback' in after_all, 'fastai.callback.progress' in sys.modules)")
+    r = subprocess.run([sys.executable, '-W', 'ignore', '-c', code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == 'True False False', r.stdout  # no progress table added to the user's Learners
+
 def test_the_package_shows_its_layers():
     "`ls fastai_fp16`: the library's modules, `study/` and `tools/`; the old names are no files"
     assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != '__pycache__'} == {'study', 'tools'}
@@ -126,7 +138,8 @@ def test_old_names_in_a_fresh_interpreter():
     assert r.stdout.split()[-2:] == ['fastai_fp16.buffer_guard', 'fastai_fp16.study.run'], r.stdout
 
 # `from fastai_fp16.all import *` before the modules moved (issue 35): the same names after; issue 53 took out the window's
-# hooks (`run_fp32`, `Fp32Hooks`, `land_buffers`: nothing is put on the model any more) and added fp32 math's functional forms
+# hooks (`run_fp32`, `Fp32Hooks`, `land_buffers`: nothing is put on the model any more) and added fp32 math's functional forms;
+# issue 56's `to_float` makes bf16 optimizer states fp32 with `fp32_states`
 ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'EMA',
     'LinearFp32', 'LossScaleError', 'LossScaler', 'MixedPrecision', 'ModelToHalf', 'PeakMemory', 'PrecisionMonitor',
     'PrecisionPlan', 'PrecisionReport', 'RECIPES', 'SkipValid', 'StepTimer', 'SynthDL', 'adam_variants', 'archs',
@@ -136,7 +149,7 @@ ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 
     'cpu_features', 'cpu_variants', 'cuda_caps', 'cuda_variants', 'cudnn_state', 'detect', 'digits_dls', 'digits_folder',
     'doctor', 'e2e_bench', 'fake_imagenette', 'fastai_adam_kind', 'fastai_native', 'fastai_precision', 'fastai_step_fn', 'fit_cbs',
     'flat_like', 'float_tensors', 'folder_dls', 'fp16_bn32', 'fp16_loss32', 'fp16_master', 'fp16_pure',
-    'fp16_static_nomaster', 'fp32', 'fused_adam_step', 'fused_adam_supported', 'fused_adam_target', 'half_dtype',
+    'fp16_static_nomaster', 'fp32', 'fp32_states', 'fused_adam_step', 'fused_adam_supported', 'fused_adam_target', 'half_dtype',
     'half_params', 'half_support', 'imagenette_dls', 'imagenette_url', 'kept_fp32', 'layer_bench', 'layer_variants',
     'layout_asked', 'linear_fp32', 'machine_info', 'make_flat_master', 'markdown_table', 'master_params_to_model_params', 'median_ms',
     'model_grads_to_master_grads', 'module_tensors', 'named_ours', 'norm_classes', 'norm_types', 'nvidia_static128', 'nvidia_tf_cnn',

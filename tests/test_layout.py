@@ -44,9 +44,9 @@ def test_auto_layout_follows_the_plan(measured, net, expected):
     p = learn.model_to_half.plan
     assert p.channels_last == bool(expected) and ('measured' in p.layout or 'no 2d convolutions' in p.layout)
     assert ('channels_last' if expected else 'NCHW') in p.describe() and fp32_everywhere(learn)
-    assert len([cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]) == 1  # to_half's one, deciding
+    assert len([cb for cb in learn.cbs if isinstance(cb, AutoChannelsLast)]) == 1  # to_half's one, deciding
     learn.to_float()
-    assert not [cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]
+    assert not [cb for cb in learn.cbs if isinstance(cb, AutoChannelsLast)]
 
 def test_auto_layout_says_so_when_it_picks_channels_last(measured, capsys):
     learn = Learner(img_dls(), dense_net(), loss_func=nn.MSELoss()).to_half('bf16')  # fp32 math on this class

@@ -1,5 +1,5 @@
 "Lean masters (`to_half('bf16', masters='split'|'kahan'|'stochastic')`) in fits as users run them, each against fp32 masters"
-import pickle, tempfile, pytest, torch, torch.nn as nn
+import copy, pickle, tempfile, pytest, torch, torch.nn as nn
 from functools import partial
 from pathlib import Path
 from fastai.learner import Learner
@@ -62,10 +62,15 @@ def test_refused_with_what_to_do():
     with pytest.raises(ValueError, match=r"to_half\('bf16', masters='split'\)"): learner('split').to_float().to_half('fp16', masters='split')
     with pytest.raises(ValueError, match='master_weights=False'): learner('kahan', master_weights=False)
     with pytest.raises(ValueError, match="one of \\['fp32', 'split', 'kahan', 'stochastic'\\]"): learner('lean')
-    learn = learner('split', opt_func=ranger)
-    w = params(learn)
-    with pytest.raises(ValueError, match="Lookahead"): fit(learn)
-    assert all(torch.equal(p, q) and p.dtype == torch.float32 for p, q in zip(learn.model.parameters(), w))  # left as it was
+    plain = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss(), opt_func=ranger)
+    w = params(plain)
+    with pytest.raises(ValueError, match="Lookahead") as e: plain.to_half('bf16', masters='split')  # at `to_half`, not at the fit
+    assert not any(type(cb).__module__.startswith('fastai_fp16') for cb in plain.cbs)  # left as it was
+    assert all(torch.equal(p, q) and p.dtype == torch.float32 for p, q in zip(plain.model.parameters(), w)) and plain.opt is None
+    at_fit = learner('split')  # the fit's refusal, of an optimizer made after `to_half`, says the same
+    at_fit.opt_func = ranger
+    with pytest.raises(ValueError) as e2: fit(at_fit)
+    assert str(e.value) in str(e2.value)
 
 @pytest.mark.parametrize('masters', LEAN)
 def test_resume_is_exact(masters):
@@ -292,3 +297,16 @@ def test_bf16_states_of_a_torch_optimizer():
     assert {v.dtype for st in learn.opt.opt.state.values() for k, v in st.items() if k.startswith('exp_avg')} == {torch.bfloat16, torch.float32}  # kept so after the fit
     l0, l1 = ref.recorder.values[-1][0], learn.recorder.values[-1][0]
     assert abs(l0 - l1) / l0 < 0.05, (l0, l1)
+
+def test_to_float_after_bf16_states_trains_as_plain_fp32():
+    "Issue 56.7: `to_float()` after fits with `opt_states='bf16'` makes the optimizer's states fp32: the next fit is a plain fp32 fit from those weights and states"
+    learn = fit(learner('split', opt_states='bf16'), 1)
+    states = lambda l: [(k, v) for p in l.model.parameters() for k, v in l.opt.state[p].items() if isinstance(v, torch.Tensor) and v.ndim]
+    assert torch.bfloat16 in {v.dtype for _, v in states(learn)}  # bf16 between half fits
+    learn.to_float()
+    assert {v.dtype for _, v in states(learn)} == {torch.float32}
+    ref = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss())  # plain fp32, from the same weights and (fp32) states
+    ref.model.load_state_dict(learn.model.state_dict()); ref.create_opt(); ref.opt.load_state_dict(copy.deepcopy(learn.opt.state_dict()))  # fastai shares, not copies
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(states(ref), states(learn)))
+    fit(learn, 1); fit(ref, 1)
+    assert all(torch.equal(p, q) for p, q in zip(learn.model.parameters(), ref.model.parameters()))

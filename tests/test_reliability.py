@@ -221,7 +221,7 @@ def test_export_and_load_learner():
     tmp = Path(tempfile.mkdtemp())
     learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), path=tmp).to_half('fp16')
     learn.fit(1, 1e-2)
-    preds = learn.get_preds()[0]
+    half = learn.get_preds()[0]  # as the fit's validation computes (fp16 storage, fp32 math on a CPU)
     learn.export('e.pkl')
     new = load_learner(tmp/'e.pkl')
     assert fp32_everywhere(new)
@@ -230,10 +230,11 @@ def test_export_and_load_learner():
         assert not set(getattr(cb, '_stateattrs', ())) & set(cb.__dict__)
     new.dls = learn.dls
     seen = Seen()
-    assert torch.equal(new.get_preds(cbs=seen)[0], preds)
-    assert seen.dtypes == {torch.float32}  # fp16 predictions on CPU run fp32 (~18x faster), as fastai's load_learner does
+    preds = new.get_preds(cbs=seen)[0]
+    assert seen.dtypes == {torch.float32}  # the exported Learner is plain fp32: it predicts in fp32
     learn.to_float()
     assert torch.equal(learn.get_preds()[0], preds)  # the same as the plain fp32 model's
+    assert torch.allclose(half, preds, rtol=1e-2, atol=1e-2) and not torch.equal(half, preds)  # fp16's figures, near fp32's
     assert all(torch.equal(a, b) for a, b in zip(new.model.parameters(), learn.model.parameters()))
 
 def test_exception_mid_fit_cleans_diagnostics():
@@ -313,15 +314,19 @@ def test_half_model_is_made_fp32_first(made, dtype):
     assert spy.seen == {(half, torch.float32, torch.float32)}  # BatchNorm fp32 during the fit
     assert fp32_everywhere(learn) and opt_on_model(learn)
 
-def test_half_model_said_once():
+def test_half_model_said_at_each_fit_it_is_half():
+    "Issue 56.8: made half again between fits, it is converted again and said again, at the user's line, with the dtypes it had"
     import warnings
     learn = Learner(synth_dls(), tiny_model().half(), loss_func=nn.MSELoss()).to_half('fp16', init_scale=256.)
     with warnings.catch_warnings(record=True) as ws:
-        warnings.simplefilter('always')
+        warnings.simplefilter('default')
         learn.fit(1, 1e-2)
-        learn.model.half()  # made half again between fits: converted again, not said again
+        learn.model.bfloat16()
         learn.fit(1, 1e-2)
-    assert len([w for w in ws if 'already half' in str(w.message)]) == 1 and fp32_everywhere(learn)
+        learn.fit(1, 1e-2)  # fp32 since the last: nothing to say
+    said = [w for w in ws if 'already half' in str(w.message)]
+    assert len(said) == 2 and {w.filename for w in said} == {__file__} and fp32_everywhere(learn)
+    assert 'in torch.float16,' in str(said[0].message) and 'in torch.bfloat16,' in str(said[1].message)
 
 @pytest.mark.parametrize('method,fix', [('to_fp16', 'learn.to_fp32()'), ('to_bf16', 'learn.to_fp32()'),
                                         ('to_non_native_fp16', 'learn.to_non_native_fp32()')])

@@ -122,12 +122,19 @@ def test_older_names_for_the_scale_are_read_as_ours():
     with pytest.raises(TypeError, match='given twice'): learner().to_half('fp16', init_scale=8., loss_scale=512)
     with pytest.raises(TypeError, match=re.escape("learn.to_half('fp16')")): learner().to_half(amp_mode='fp16')
     with pytest.raises(TypeError, match="did you mean 'growth_interval'"): learner().to_half('fp16', growth_intervall=5)
+    with pytest.raises(TypeError, match=re.escape("did you mean 'loss_scale' (an older name, read as `init_scale`)?")):
+        learner().to_half('fp16', loss_scael=512)  # an older name, misspelt
+    with pytest.raises(TypeError, match="did you mean 'scale_wait'"): learner().to_half('fp16', scale_wiat=512)
     with pytest.raises(ValueError, match='div_factor'): learner().to_half('fp16', div_factor=.5)
 
 def test_the_refusal_of_fastais_mixed_precision_names_a_fix_that_works():
     "fastai's `MixedPrecision` beside `to_half()`: passed to `fit(cbs=...)`, or added to the Learner; each advice followed trains ours alone"
     learn = learner().to_half('fp16', init_scale=256.)
-    with pytest.raises(ValueError, match=r"passed to this fit.*leave it out of `cbs=`"): learn.fit(1, cbs=FastaiMP())
+    with pytest.raises(ValueError) as e: learn.fit(1, cbs=FastaiMP())
+    lines = [l for l in str(e.value).splitlines() if not l.startswith('Exception occured')]  # fastai's line naming the event
+    text = ' '.join(lines)
+    assert 'passed to this fit' in text and 'leave it out of `cbs=`' in text and 'added by' not in text, text  # the one place
+    assert len(lines) <= 4 and max(map(len, lines)) <= 120, lines  # a few lines a user reads
     learn.fit(1, 1e-2)  # left out of `cbs=`, as it says
     assert type(learn.mixed_precision) is MixedPrecision
     learn.add_cb(FastaiMP())
@@ -139,6 +146,68 @@ def test_the_refusal_of_fastais_mixed_precision_names_a_fix_that_works():
     learn.fit(1, 1e-2)
     assert [type(cb) for cb in learn.cbs if 'MixedPrecision' in type(cb).__name__] == [MixedPrecision]
     assert fp32_everywhere(learn) and learn.mixed_precision.skipped == 0
-    with pytest.raises(ValueError, match=r"MixedPrecision passed to this fit .*leave it out of `cbs=`"): learn.fit(1, cbs=MixedPrecision())
+    with pytest.raises(ValueError, match=r"(?s)MixedPrecision passed to this fit .*leave it out of `cbs=`"): learn.fit(1, cbs=MixedPrecision())
     learn.fit(1, 1e-2)  # ours, passed a second time: left out, as it says
     assert type(learn.mixed_precision) is MixedPrecision and fp32_everywhere(learn)
+
+def test_a_cancelled_fits_line_starts_a_line_of_its_own():
+    "fastai's console bar (a script, a terminal) leaves its line open when `TerminateOnNaNCallback` cancels the fit mid-epoch: our line starts after it"
+    from fastprogress.fastprogress import ConsoleProgressBar
+    from fastai.callback.tracker import TerminateOnNaNCallback
+    from fastai.callback.progress import ProgressCallback
+    outs = {}
+    for bar in (True, False):
+        learn = learner([ProgressCallback()] if not any(isinstance(cb, ProgressCallback) for cb in learner().cbs) else [])
+        learn.to_half('fp16', init_scale=256., dynamic=False)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), warnings.catch_warnings(), (contextlib.nullcontext() if bar else learn.no_bar()):
+            warnings.simplefilter('ignore')
+            learn.fit(2, 1e-2, cbs=[NaNAt((3,)), TerminateOnNaNCallback()])
+        if bar: assert isinstance(learn.progress.pbar, ConsoleProgressBar) and learn.progress.pbar.last_v == 3  # left open at 3 of 6
+        text = out.getvalue()
+        i = text.index('fastai_fp16: 1 optimizer step skipped: 1 on an inf/NaN loss')
+        assert i == 0 or text[i - 1] == '\n', repr(text[max(0, i - 80):i + 20])  # not run on from the bar's `... 40%...]`
+        outs[bar] = text
+    assert ']' in outs[True].split('fastai_fp16:')[0].splitlines()[-1]  # the bar's line was there, open, before it
+
+def test_warnings_name_the_users_line_at_every_fit():
+    "The 'already half' and slow-kernels warnings name the user's `fine_tune`/`fit_one_cycle` line, at each fit; 'already half' lists the dtypes the model had"
+    src = open(__file__).read().splitlines()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('default')
+        for _ in range(2):
+            m = tiny_model().half()
+            learn = Learner(synth_dls(n=128, bs=16), m, loss_func=nn.MSELoss()).to_half('bf16')
+            with learn.no_bar(): learn.fine_tune(1, 1e-2)  # warns here: half
+        with assume_capabilities(cpu_caps('avx2')):
+            learn = Learner(synth_dls(n=128, bs=16), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16', fp32_math=False)
+            with learn.no_bar():
+                for _ in range(2): learn.fit_one_cycle(1, 1e-2)  # warns here: slow
+    half = [w for w in rec if 'already half' in str(w.message)]
+    slow = [w for w in rec if 'slow native kernels' in str(w.message)]
+    assert len(half) == 2 and len(slow) == 2, [str(w.message)[:60] for w in rec]
+    assert all(w.filename == __file__ and src[w.lineno - 1].strip().endswith(('# warns here: half', '# warns here: slow')) for w in half + slow)
+    assert 'tensors in torch.float16' in str(half[0].message) and 'torch.float32' not in str(half[0].message).split(')')[0]
+
+def test_a_min_scale_set_too_high_is_named_with_readable_scales():
+    "`LossScaleError`: scales as powers of two, and a `min_scale` the gradients overflow at is the first thing to lower"
+    class Inf(Callback):
+        order = 5
+        def after_backward(self):
+            if self.training: self.model[0].weight.grad[0, 0] = float('inf')
+    learn = learner().to_half('fp16', init_scale=2.**21, min_scale=2.**20)
+    with pytest.raises(LossScaleError) as e, learn.no_bar(): learn.fit(1, 1e-2, cbs=Inf())
+    msg = str(e.value)
+    assert 'minimum loss scale (2**20 (1048576))' in msg and '1.04858e+06' not in msg, msg
+    assert msg.index('min_scale=2**20 (1048576) may be set too high') < msg.index('a lower learning rate'), msg
+
+def test_validate_after_a_fit_gives_the_fits_figures():
+    "bf16 on an AVX2 CPU (fp32 math): `validate()` after the fit runs as the fit's validation, so its loss is the table's"
+    with assume_capabilities(cpu_caps('avx2')):
+        learn = learner().to_half('bf16')
+        with learn.no_bar(): learn.fit(1, 1e-2)
+        fit_loss = learn.recorder.values[-1][1]  # the table's valid_loss
+        assert abs(learn.validate()[0] - fit_loss) < 1e-6
+        ref = learner()  # fp32's figure differs: the fit ran bf16
+        ref.model.load_state_dict(learn.model.state_dict())
+        assert ref.validate()[0] != learn.validate()[0]

@@ -67,7 +67,7 @@ def test_tta_runs_as_get_preds():
     learn = Learner(exportable_dls(), tiny_model(), loss_func=nn.MSELoss(), cbs=(d := Dtypes())).to_half('fp16')
     learn.fit(1, 1e-2)
     preds, _ = learn.get_preds()
-    assert d.seen == {torch.float32}  # fp16 has no fast CPU kernels: predictions run fp32
+    assert d.seen == {torch.float32}  # the params (fp32: what a module computes with in flight is no param)
     (aug, tta), _ = learn.tta(n=1, beta=None)
     assert d.seen == {torch.float32} and torch.equal(tta, preds)
     assert fp32_everywhere(learn)
@@ -113,7 +113,7 @@ def test_mixup_preview_by_hand(dtype):
             assert learn.xb[0].dtype == torch.float32  # the batch as it comes: the model casts it as it gets it
             assert learn.model[0].weight.dtype == torch.float32  # the model's own fp32 params, always...
             learn.model(*learn.xb); seen.after_fit()
-            assert seen.seen == {torch.bfloat16 if dtype == 'bf16' else torch.float32}  # ...computing in half (fp16: fp32 outside a fit)
+            assert seen.seen == {half_dtype(dtype)}  # ...computing in half (fp32 math where its kernels are slow: as fits run)
             assert learn.opt is None
     assert fp32_everywhere(learn)
 

@@ -2,7 +2,7 @@
 As nbdev_test: cells whose leading `#|` directives name one of settings.ini's `tst_flags` (`notest cuda slow`), `#| eval:
 false` cells, `nbdev_export(` cells and `skip_exec` notebooks are skipped; each notebook runs in `nbs/` with the repository
 on `sys.path`, in execnb's `CaptureShell` (execnb 0.1 or 0.3), in a process of its own; a failing cell stops it.
-`python tools/run_nbs.py [--n_workers 2] [NOTEBOOK ...]` (default: every notebook in `nbs/`); exit 1 if any failed.
+`python tools/run_nbs.py [--n-workers 2] [NOTEBOOK ...]` (default: every notebook in `nbs/`); exit 1 if any failed.
 `FASTAI_FP16_DEFAULT_DEVICE=meta` / `FASTAI_FP16_ASSUME_CPU=avx2|...` run them as on another machine (tools/pretend.py)."""
 import argparse, configparser, os, re, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor

@@ -61,6 +61,7 @@ def train(model:nn.Module, dls:DataLoaders,
     # convolutions' other summation order is one more rounding in runs as chaotic as the loss study's)
     learn.remove_cbs([cb for cb in learn.cbs if getattr(cb, '_fp16_auto', False)])
     losses, err = _Losses(), ''
+    import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
     with learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging():
         try: learn.fit(epochs)
         except LossScaleError: err = 'LossScaleError'

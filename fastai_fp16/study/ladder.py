@@ -15,8 +15,6 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.optimizer import SGD
 from fastai.torch_core import set_seed
-from fastai.callback.schedule import *  # fit_one_cycle
-import fastai.callback.fp16  # patches Learner.to_fp16 (for the fastai_native recipe)
 from ..mixed_precision import ModelToHalf, MixedPrecision
 from ..fit_guard import _find_cb
 from ..scaler import LossScaleError
@@ -119,6 +117,7 @@ def bf16_stochastic(learn): "+ stochastic rounding: bf16 params only, each updat
 def fastai_native(learn):
     "fastai's own `to_fp16()`: autocast and torch's GradScaler (CUDA only)"
     if not torch.cuda.is_available(): raise RuntimeError("Recipe fastai_native needs CUDA (fastai's to_fp16 is autocast on GPU).")
+    import fastai.callback.fp16  # Learner.to_fp16, imported here (at the run, not with the package: fastai's progress module joins fastai's default callbacks as it is imported)
     return learn.to_fp16()
 @recipe
 def nvidia_static128(learn):
@@ -174,6 +173,7 @@ def run_recipe(name:str, dls, model:nn.Module, epochs:int=1, lr:float=1e-3, seed
     if name not in RECIPES: raise ValueError(f"Unknown recipe {name!r}: use any of {', '.join(RECIPES)}.")
     set_seed(seed)
     for dl in dls.loaders: dl.rng = random.Random(seed)
+    import fastai.callback.progress, fastai.callback.schedule  # the bars, `fit_one_cycle`: imported here (at the run, not with the package: fastai's progress module joins fastai's default callbacks as it is imported)
     learn = Learner(dls, model.to(_dev(dls)), loss_func=CrossEntropyLossFlat(), metrics=accuracy, lr=lr)
     learn.fit_method = 'fit_one_cycle'
     RECIPES[name](learn)

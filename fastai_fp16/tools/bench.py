@@ -13,11 +13,9 @@ from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.torch_core import to_float
-import fastai.callback.fp16 as fa16
 from ..core import *
 from ..core import half_dtype
 from ..mixed_precision import ModelToHalf, BatchNormToFloat, MixedPrecision
-from fastai.callback.channelslast import ChannelsLast
 from ..hardware import detect, half_support, precision_report
 from ..layout import AutoChannelsLast, plan_fit
 from ..study.memory import PeakMemory
@@ -51,6 +49,8 @@ def variant_label(kind:str, # a variant that does not use our `ModelToHalf` (our
 
 def _variant_cbs(kind:str, device:torch.device)->list:
     "The callbacks of variant `kind`: `_cl` adds fastai's `ChannelsLast`; ours come as `to_half` makes them (memory format where faster) unless `_cl`/`_nchw`"
+    import fastai.callback.fp16 as fa16  # fastai's own, imported here (at the run, not with the package: fastai's progress module joins fastai's default callbacks as it is imported)
+    from fastai.callback.channelslast import ChannelsLast
     base, cl = _layout_of(kind)
     fmt = [ChannelsLast()] if cl else []
     if base in ('fp32', 'tf32'): return fmt
@@ -90,6 +90,7 @@ def run_variant(model:nn.Module, # model to copy (left untouched)
     learn = Learner(dls, m, loss_func=nn.CrossEntropyLoss(), cbs=[SkipValid(), StepTimer()] + _variant_cbs(kind, device))
     base = _layout_of(kind)[0]
     # fp32 and tf32 set TF32 for matmuls and cuDNN convolutions; the others run with torch's settings as found
+    import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
     with PeakMemory(device) as mem, _tf32(base == 'tf32') if device.type == 'cuda' and base in ('fp32', 'tf32') else nullcontext(), \
          learn.no_bar(), learn.no_logging():
         learn.fit(1, lr)

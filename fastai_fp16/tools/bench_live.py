@@ -4,7 +4,7 @@
 
 # %% ../../nbs/tools/27_bench_live.ipynb #b27a0003
 from __future__ import annotations
-import copy, statistics, sys
+import copy, os, statistics, sys
 import torch, torch.nn as nn
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
@@ -23,6 +23,9 @@ class LiveBytes(Callback):
     def _mine(self)->bool: return self.training and self.iter == self.at
     def before_batch(self):
         if self._mine():
+            # kineto's log: without a GPU it says `ERROR: ... gpuGetDeviceCount failed with code 35` (none here: the CPU's
+            # memory events are all this reads), and `USDT`/`STAGE` lines; off unless the user set its level
+            os.environ.setdefault('KINETO_LOG_LEVEL', '6')
             self.p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True); self.p.__enter__()
     def after_batch(self):
         if not self._mine() or self.p is None: return
@@ -67,6 +70,7 @@ def step_live(model:nn.Module, # copied, left as it is
     dls = DataLoaders(SynthDL(batches, at + 1), SynthDL([], 0), device='cpu')
     lb = LiveBytes(at)
     learn = Learner(dls, copy.deepcopy(model), loss_func=nn.CrossEntropyLoss(), cbs=[SkipValid(), lb] + _variant_cbs(kind, torch.device('cpu')))
+    import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     return dict(kind=kind, peak=lb.peak, end=lb.end)
 

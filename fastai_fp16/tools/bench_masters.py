@@ -79,6 +79,7 @@ def masters_learner(variant:str, # one of `masters_variants`
     return learn
 
 def _fit(learn:Learner)->Learner:
+    import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     return learn
 

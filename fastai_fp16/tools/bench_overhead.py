@@ -14,7 +14,6 @@ from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 from fastai.optimizer import SGD
 from fastai.torch_core import to_float
-import fastai.callback.fp16 as fa16
 from ..core import *
 from ..core import half_dtype
 from ..mixed_precision import ModelToHalf, BatchNormToFloat, MixedPrecision
@@ -52,6 +51,7 @@ def median_ms(f, repeats:int=20, warmup:int=3, device='cpu')->float:
 # %% ../../nbs/tools/21_bench_overhead.ipynb #b6369311
 def fastai_step_fn(params:list, flat:bool, scale:float=512.):
     "fastai 2.8.7's master-weight step (`to_master_grads`, `grad_overflow`, `to_model_params`) on `params`"
+    import fastai.callback.fp16 as fa16  # fastai's own, imported here (at the run, not with the package: fastai's progress module joins fastai's default callbacks as it is imported)
     model_pgs, master_pgs = fa16.get_master(SGD(params, lr=0.1), flat)
     def step():
         if fa16.grad_overflow(model_pgs): raise RuntimeError("overflow")
@@ -168,6 +168,7 @@ def _step_ms(kind:str, dtype:str, batches:int, warmup:int, device='cpu', **kw)->
     probe = CallTimer(cbs, _events) if kind == 'ours' else None
     learn = Learner(dls, stand_in_model(), loss_func=nn.MSELoss(), cbs=[SkipValid(), st := StepTimer(probe), *cbs],
                     opt_func=partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True)))
+    import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     return tuple(statistics.median(t[warmup:]) for t in (st.thread_times, st.times, st.probe_times))
 

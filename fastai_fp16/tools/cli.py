@@ -101,7 +101,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 fp32_math:str='auto', # convs and linear layers of half models in fp32 math: auto (where the dtype is slow here), on, off
                 deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
-    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots"
+    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots (with the defaults, about 11 minutes on a 2-core CPU shared with other work)"
     import torch, pandas as pd
     from fastai_fp16.study.ladder import compare
     device = _device(device)
@@ -113,7 +113,8 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                       bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
     note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
-            f"torch {torch.__version__}.")
+            f"torch {torch.__version__}. epoch_s is an epoch's wall time (training and validation): it varies from run to run, most "
+            "where other work shares the machine.")
     out = write_results(res, out, note)
     with pd.option_context('display.width', 200, 'display.max_columns', 20):
         print(res.drop(columns='error') if not res.error.any() else res)
@@ -157,6 +158,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
         dls_fn, size = _data(data, size, tmp)
         set_seed(seed)
         dls = dls_fn(bs=bs, size=size, device=device)
+        import fastai.callback.progress, fastai.callback.schedule  # the bars and table, `fit_one_cycle`
         learn = Learner(dls, archs[arch](dls.c, size).to(device), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
         if precision != 'fp32': learn.to_half(precision, fp32_math=f32, **({'masters': masters} if masters != 'fp32' else {}))
         tty = sys.stdout.isatty()
