@@ -22,8 +22,9 @@ def _advice(s)->str:
     half = (("clipping the gradients: `learn.to_float().to_half('bf16', clip=1.)`") if not s.dynamic and s.init_scale == 1 else
             ("bf16, which has fp32's range and needs no loss scale: `learn.to_float().to_half('bf16')`; clipping the "
              "gradients: `learn.to_float().to_half('fp16', clip=1.)`"))
-    return (f"Try: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data; "
-            "or fp32: `learn.to_float()`.")
+    if getattr(s, 'fp32', False): half = "clipping the gradients: `learn.to_float().to_half('auto', clip=1.)`"  # an fp32 fit's
+    return (f"Try: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data"
+            + ("." if getattr(s, 'fp32', False) else "; or fp32: `learn.to_float()`."))
 
 def _num(v)->bool: return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # NaN and inf: no
 def _int(v, lo:int)->bool: return _num(v) and v == int(v) and v >= lo
@@ -130,9 +131,11 @@ class LossScaler:
 def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
     "A `LossScaler` with the settings `kw`, and `dtype`'s defaults for `init_scale` and `dynamic` left to None"
     bf = dtype != torch.float16  # bf16 has fp32's range: no scaling needed
+    if dtype == torch.float32: kw.update(init_scale=1., dynamic=False)  # an fp32 fit: scale 1, never scaling (its skips counted)
     if kw.get('init_scale') is None: kw['init_scale'] = 1. if bf else 2.**16
     if kw.get('dynamic') is None: kw['dynamic'] = not bf
-    return LossScaler(**kw)
+    s = LossScaler(**kw); s.fp32 = dtype == torch.float32  # its advice on a collapse: the fit is fp32 already
+    return s
 
 def _count_skip(mp, # the `MixedPrecision` whose step was skipped
                 bad_loss:bool): # skipped for a non-finite loss (else a grad overflow)
