@@ -38,20 +38,23 @@ class DeviceRule:
         store_attr(store_args=False)
         self.slow, self.nhwc, self.fp32_faster = slow or {}, nhwc or {}, fp32_faster or {}
 
-    def matches(self, caps)->bool:
+    def matches(self, caps # a device's `Capabilities`
+               )->bool:
         "Whether `caps` (a `Capabilities`) is of this rule's device type and meets its conditions"
         return caps.device_type == self.device and all(_meets(getattr(caps, k, None), v) for k,v in self.when.items())
 
     @property
     def condition(self)->str:
-        "The conditions in words, e.g. 'cc 7.0-8.0' (8.0 excluded) or 'cpu_class avx2'"
+        "The conditions in words, e.g. 'cc 7.0 to < 8.0' or 'cpu_class avx2'"
         def one(k, v):
             if not isinstance(v, tuple) or len(v) != 2 or not all(w is None or isinstance(w, tuple) for w in v): return f"{k} {v}"
             lo, hi = v
             return f"{k} " + (f">= {_ver(lo)}" if hi is None else f"< {_ver(hi)}" if lo is None else f"{_ver(lo)} to < {_ver(hi)}")
         return ', '.join(one(k, v) for k,v in self.when.items()) or 'any'
 
-    def layout(self, k:str, kind:str)->tuple|None:
+    def layout(self, k:str, # what the convolutions compute in: 'fp32', 'bf16' or 'fp16'
+               kind:str, # the model's `conv_kind`: 'dense' or 'depthwise'
+              )->tuple|None:
         "(channels_last, why) for convolutions computing in `k` in a `kind` model, or None where no row says"
         n = self.nhwc
         return n.get((k, kind)) or n.get((k, '*')) or n.get(('*', kind)) or n.get(('*', '*'))

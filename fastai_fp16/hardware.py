@@ -84,7 +84,8 @@ def mps_caps(torch_version:tuple|None=None, # torch's (major, minor) (default: t
     return Capabilities('mps', 'Apple GPU (MPS)', torch_version=torch_version or _torch_version(), **kwargs)
 
 def xpu_caps(bf16:bool=True, # native bf16 (Intel's Arc, Data Center GPU Max); False: emulated
-             torch_version:tuple|None=None, **kwargs)->Capabilities:
+             torch_version:tuple|None=None, # torch's (major, minor) (default: the one here)
+             **kwargs)->Capabilities:
     "The `Capabilities` of an Intel GPU (XPU), with or without native bf16"
     return Capabilities('xpu', 'Intel GPU', xpu_bf16=bf16, torch_version=torch_version or _torch_version(), **kwargs)
 
