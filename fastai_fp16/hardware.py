@@ -260,12 +260,12 @@ def _hw(c:Capabilities)->str:
 
 @dataclass
 class PrecisionReport:
-    "Capabilities of a device, which half dtypes are fast there, the rule that says so, and the recommended `to_half` call"
+    "Capabilities of a device, which half dtypes are fast there, the rule that says so (`device_rule`; None: no row), the CPU beside a GPU, and the recommended `to_half` call"
     caps:Capabilities
     support:dict
     plan:PrecisionPlan
-    rule:DeviceRule|None=None # `device_rule(caps)`: None where the device type has none
-    cpu:Capabilities|None=None # the CPU beside a GPU, if detected
+    rule:DeviceRule|None=None
+    cpu:Capabilities|None=None
     @property
     def call(self)->str:
         "The recommended call"
