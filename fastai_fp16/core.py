@@ -4,6 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #1101ec13
 from __future__ import annotations
+import functools
 from itertools import chain
 from typing import Iterable
 import torch, torch.nn as nn
@@ -14,7 +15,7 @@ from fastai.data.core import DataLoaders
 # %% auto #0
 __all__ = ['norm_types', 'norm_classes', 'module_tensors', 'float_tensors', 'convert_network', 'half_dtype', 'cast_floats',
            'flat_like', 'shaped_like', 'make_flat_master', 'prep_param_lists', 'model_grads_to_master_grads',
-           'master_params_to_model_params', 'unscale_grads_', 'synth_dls', 'tiny_model']
+           'master_params_to_model_params', 'unscale_grads_', 'nonfinite_', 'synth_dls', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #5ef15571
 norm_types = dict(batch=(nn.modules.batchnorm._BatchNorm,), group=(nn.GroupNorm,), layer=(nn.LayerNorm,),
@@ -208,6 +209,26 @@ def unscale_grads_(grads:list, # gradients to unscale in place (any mix of dtype
         if dt == torch.bfloat16: _unscale_bf16_(gs, inv_scale, found_inf, scale)
         else: torch._amp_foreach_non_finite_check_and_unscale_(gs, found_inf, inv_scale)
     return found_inf
+
+# %% ../nbs/00_core.ipynb #3daee5a2
+_dispatch_keys = dict(cpu='CPU', cuda='CUDA', mps='MPS', xpu='XPU', meta='Meta')
+
+@functools.cache
+def _check_kernel(device_type:str)->bool:
+    "Whether this torch has its check-and-unscale kernel for `device_type` (MPS: since torch 2.8)"
+    key = _dispatch_keys.get(device_type)
+    try: return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key('aten::_amp_foreach_non_finite_check_and_unscale_', key)
+    except (AttributeError, RuntimeError): return False
+
+def nonfinite_(grads:list, # gradients to check (left as they are)
+               found_inf:Tensor, # 1-element fp32 tensor set to 1 if any grad is inf or NaN
+               one:Tensor, # 1-element fp32 tensor holding 1
+              )->Tensor: # `found_inf`
+    "Flag inf/NaN in `grads` in `found_inf` without a host sync and without unscaling: the check of a step at a scale of 1"
+    if not grads: return found_inf
+    if _check_kernel(grads[0].device.type): return unscale_grads_(grads, one, found_inf, 1.)  # a scale of 1: nothing multiplied
+    bad = torch.stack(torch._foreach_norm([g._values() if g.is_sparse else g for g in grads], 1)).isfinite().all().logical_not()
+    return torch.maximum(found_inf, bad.to(found_inf.dtype), out=found_inf)
 
 # %% ../nbs/00_core.ipynb #1f4835b6
 def synth_dls(n:int=64, bs:int=16, n_in:int=4, n_out:int=2, seed:int=0, device='cpu')->DataLoaders:

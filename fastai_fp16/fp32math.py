@@ -28,13 +28,17 @@ class ConvFp32(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        mask = [need[0], need[1], ctx.b_dtype is not None and need[2]]
+        need, back = ctx.needs_input_grad, torch.ops.aten.convolution_backward
+        gx = gw = gb = None
         with autocast_off(g.device.type):  # a backward inside `in_flight()` runs under autocast
-            gx, gw, gb = torch.ops.aten.convolution_backward(g.float(), x.float(), w.float(),
-                                                             [g.shape[1]] if mask[2] else None, *ctx.conf, mask)
-        return (_to(gx, x.dtype) if mask[0] else None, _to(gw, w.dtype) if mask[1] else None,
-                _to(gb, ctx.b_dtype) if mask[2] else None) + (None,)*6
+            g, x32 = g.float(), x.float()
+            # the input's grad first, with the weight's fp32 copy, which goes before the weight's grad is made: that one
+            # reads only the weight's sizes (it takes the half weight on a CPU), and its buffers are the backward's peak
+            if need[0]: gx = back(g, x32, w.float(), None, *ctx.conf, [True, False, False])[0].to(x.dtype)
+            if need[1] or (ctx.b_dtype is not None and need[2]):
+                bias = ctx.b_dtype is not None and need[2]
+                _, gw, gb = back(g, x32, w if g.device.type == 'cpu' else w.float(), [g.shape[1]] if bias else None, *ctx.conf, [False, need[1], bias])
+        return (gx, _to(gw, w.dtype), _to(gb, ctx.b_dtype)) + (None,)*6
 
 class LinearFp32(torch.autograd.Function):
     "`F.linear` of half tensors computed in fp32 (forward and backward), output and grads rounded to half"

@@ -8,7 +8,7 @@ import torch, torch.nn as nn
 from torch.nn.parameter import is_lazy
 from fastai.callback.core import Callback
 from .core import *
-from .hardware import detect, _fp32_math_arg
+from .hardware import detect, check_device, _fp32_math_arg
 from .layout import plan_fit, layout_asked
 from .buffer_guard import kept_fp32
 from .casts import _Casts
@@ -112,13 +112,14 @@ class ModelToHalf(Callback):
         if getattr(self, '_depth', 0): self._depth += 1; return  # get_preds inside a fit: the fit's casts serve it
         if not _checked(self): return
         learn, fit = self.learn, _in_fit(self.learn)
-        model = learn.model
+        model, mp = learn.model, next(iter(_role(learn, 'mixed')), None)
+        caps = detect(_model_device(model))
+        if fit: check_device(caps, self.dtype, getattr(mp, 'master_weights', True), self.fp32_math)  # what the device's rule refuses, first
         self._upcast([t for t in float_tensors(model) if t.dtype in (torch.float16, torch.bfloat16)])
-        plan = plan_fit(detect(_model_device(model)), self.dtype, self.fp32_math, model, layout_asked(learn))
+        plan = plan_fit(caps, self.dtype, self.fp32_math, model, layout_asked(learn))
         self.run_dtype = plan.dtype if fit else _outside_dtype(plan)  # outside a fit (validate, get_preds, predict)
         self._run, self._depth = None, 1  # only once checks passed: a failed `before_fit` leaves no run state
         if self.run_dtype != torch.float32:
-            mp = next(iter(_role(learn, 'mixed')), None)
             half = fit and not getattr(mp, 'master_weights', True)
             ts = list({id(t): t for _,_,t in sum(self._pick(model)[:2], [])}.values()) if half else None
             dev = _model_device(model).type

@@ -11,10 +11,12 @@ from fastcore.basics import store_attr
 from pathlib import Path
 import torch
 from .core import half_dtype
+from .device_rules import DeviceRule, device_rule, rule_text
 
 # %% auto #0
-__all__ = ['cpu_classes', 'Capabilities', 'cpu_caps', 'cuda_caps', 'cpu_features', 'detect', 'assume_capabilities',
-           'half_support', 'PrecisionPlan', 'plan_precision', 'PrecisionReport', 'precision_report']
+__all__ = ['cpu_classes', 'Capabilities', 'cpu_caps', 'cuda_caps', 'mps_caps', 'xpu_caps', 'cpu_features', 'detect',
+           'assume_capabilities', 'half_support', 'PrecisionPlan', 'plan_precision', 'check_device', 'PrecisionReport',
+           'fastai_device', 'precision_report']
 
 # %% ../nbs/04_hardware.ipynb #dc438b41
 # oneDNN ISA levels as its bit masks (`dnnl_cpu_isa_t`): a cap allows a level when it contains all of its bits
@@ -31,15 +33,18 @@ class _Record:
 class Capabilities(_Record):
     "What a device offers for half precision: the one input of every precision decision"
     def __init__(self,
-        device_type:str='cpu', # 'cpu' or 'cuda' (anything else gets no half precision by default)
+        device_type:str='cpu', # 'cpu', 'cuda', 'mps' or 'xpu' (another has no rule: its plan says it is not measured)
         name:str='', # CPU model or GPU name
         flags:frozenset=frozenset(), # CPU features that matter: avx2, avx512, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16, arm_bf16
         isa_limit:str|None=None, # CPU: oneDNN's cap (`ONEDNN_MAX_CPU_ISA`), if set
         vector_isa:str='', # CPU: torch's vector ISA (`torch.backends.cpu.get_cpu_capability()`)
         cc:tuple|None=None, # CUDA: compute capability (major, minor)
         cuda_bf16:bool|None=None, # CUDA: native bf16, as `torch.cuda.is_bf16_supported(including_emulation=False)` says
+        xpu_bf16:bool|None=None, # XPU: native bf16, as `torch.xpu.is_bf16_supported(including_emulation=False)` says
+        torch_version:tuple|None=None, # MPS, XPU: torch's (major, minor), for the rules that depend on torch's fixes there
     ):
         store_attr(store_args=False); self.flags, self.cc = frozenset(flags), None if cc is None else tuple(cc)
+        self.torch_version = None if torch_version is None else tuple(torch_version)
 
     def has(self, flag:str)->bool:
         "Whether the CPU has `flag` and oneDNN may use it"
@@ -71,6 +76,19 @@ def cuda_caps(cc:tuple=(8,0), # compute capability
     "The `Capabilities` of a GPU of compute capability `cc`"
     return Capabilities('cuda', name=f'GPU sm_{cc[0]}{cc[1]}', cc=tuple(cc), cuda_bf16=tuple(cc) >= (8,0), **kwargs)
 
+def _torch_version()->tuple: return tuple(int(v) for v in torch.__version__.split('+')[0].split('.')[:2])
+
+def mps_caps(torch_version:tuple|None=None, # torch's (major, minor) (default: the one here)
+             **kwargs)->Capabilities:
+    "The `Capabilities` of an Apple GPU (MPS) with torch `torch_version`"
+    return Capabilities('mps', 'Apple GPU (MPS)', torch_version=torch_version or _torch_version(), **kwargs)
+
+def xpu_caps(bf16:bool=True, # native bf16 (Intel's Arc, Data Center GPU Max); False: emulated
+             torch_version:tuple|None=None, # torch's (major, minor) (default: the one here)
+             **kwargs)->Capabilities:
+    "The `Capabilities` of an Intel GPU (XPU), with or without native bf16"
+    return Capabilities('xpu', 'Intel GPU', xpu_bf16=bf16, torch_version=torch_version or _torch_version(), **kwargs)
+
 # %% ../nbs/04_hardware.ipynb #a593d17f
 _x86_flags = dict(avx2='avx2', avx512f='avx512', avx512_bf16='avx512_bf16', avx512_fp16='avx512_fp16',
                   amx_bf16='amx_bf16', amx_fp16='amx_fp16')
@@ -98,27 +116,32 @@ def cpu_features()->tuple:
 
 _assumed = {}
 
-def _cuda_bf16(d:torch.device)->bool:
-    "Whether GPU `d` runs bf16 natively (`is_bf16_supported` asks the current GPU and counts emulation, unless told)"
-    f = torch.cuda.is_bf16_supported
-    kw = dict(including_emulation=False) if 'including_emulation' in inspect.signature(f).parameters else {}  # torch>=2.4
-    with torch.cuda.device(d): return f(**kw)
+def _native_bf16(mod, d:torch.device)->bool:
+    "Whether GPU `d` (CUDA's or XPU's `mod`) runs bf16 natively: `is_bf16_supported` asks the current GPU and counts emulation, unless told"
+    f = mod.is_bf16_supported
+    old = 'including_emulation' not in inspect.signature(f).parameters  # torch before 2.4
+    if old and mod is not torch.cuda: return bool(mod.get_device_properties(d).has_bfloat16_conversions)  # what it reads in 2.14
+    with mod.device(d): return f() if old else f(including_emulation=False)
 
 @functools.lru_cache(maxsize=None)
 def _detect(device_type:str, index:int|None, isa_limit:str|None)->Capabilities:
-    if device_type == 'cuda':
-        d = torch.device('cuda', index if index is not None else torch.cuda.current_device())
-        return Capabilities('cuda', torch.cuda.get_device_name(d), cc=torch.cuda.get_device_capability(d), cuda_bf16=_cuda_bf16(d))
+    if device_type in ('cuda', 'xpu'):  # the GPU the fit runs on, asked about itself
+        mod = getattr(torch, device_type)
+        d = torch.device(device_type, index if index is not None else mod.current_device())
+        if device_type == 'xpu': return Capabilities('xpu', mod.get_device_name(d), xpu_bf16=_native_bf16(mod, d), torch_version=_torch_version())
+        return Capabilities('cuda', mod.get_device_name(d), cc=mod.get_device_capability(d), cuda_bf16=_native_bf16(mod, d))
+    if device_type == 'mps': return Capabilities('mps', 'Apple GPU (MPS)', torch_version=_torch_version())  # one GPU; torch's version decides
     if device_type != 'cpu': return Capabilities(device_type, device_type)
     name, flags = cpu_features()
     return Capabilities('cpu', name, flags, isa_limit, torch.backends.cpu.get_cpu_capability())
 
-def detect(device=None, # a device (default: 'cuda' if available, else 'cpu')
+def detect(device=None, # a device (default: 'cuda' if available, else 'cpu'; `fastai_device()` is fastai's)
           )->Capabilities:
     "The `Capabilities` of `device`, detected once (or as set by `assume_capabilities`)"
     device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
     if device.type in _assumed: return _assumed[device.type]
-    if device.type == 'cuda' and device.index is None: device = torch.device('cuda', torch.cuda.current_device())  # cached per GPU
+    if device.type in ('cuda', 'xpu') and device.index is None:  # cached per GPU
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
     isa = os.environ.get('ONEDNN_MAX_CPU_ISA') or os.environ.get('DNNL_MAX_CPU_ISA')
     return _detect(device.type, device.index, isa if device.type == 'cpu' else None)
 
@@ -133,36 +156,28 @@ def assume_capabilities(caps:Capabilities): # used for every device of `caps.dev
         else: _assumed[caps.device_type] = old
 
 # %% ../nbs/04_hardware.ipynb #d11f8f3c
+def _no_rule(dev:str)->str:
+    return f"no rule for device type {dev!r}: not measured there (`fastai-fp16 bench --device {dev}` measures it)"
+
 def half_support(caps:Capabilities)->dict:
-    "For 'bf16' and 'fp16': (whether native kernels are fast on `caps`, why)"
-    if caps.device_type == 'cuda':
-        cc = tuple(caps.cc or (0,0)); s = f"compute capability {cc[0]}.{cc[1]}"
-        return dict(bf16=(cc >= (8,0) and caps.cuda_bf16 is not False, f"{s}: bf16 tensor cores need 8.0 (Ampere) or newer"),
-                    fp16=(cc >= (7,0), f"{s}: fp16 tensor cores need 7.0 (Volta) or newer"))
-    if caps.device_type != 'cpu':
-        no = (False, f"no rules for device type {caps.device_type!r}: pass the dtype you want")
-        return dict(bf16=no, fp16=no)
-    # matmuls: a 256x512 by 512x512 product, forward and backward, 2 threads, on an AVX2 EPYC (45x); convolutions: every CPU measured
-    fp16 = (False, "PyTorch's fp16 CPU matmuls take ~45x fp32's time (AVX2), its convolution backward ~100x (every CPU measured)" +
-            (" (this CPU has AMX-FP16, not yet measured: `fastai-fp16 doctor` times it)" if caps.has('amx_fp16') else ''))
-    if caps.has('amx_bf16'): return dict(bf16=(True, "AMX-BF16"), fp16=fp16)
-    if caps.has('avx512_bf16'): return dict(bf16=(True, "AVX512-BF16"), fp16=fp16)
-    if caps.has('arm_bf16'): return dict(bf16=(True, "Arm BF16"), fp16=fp16)
-    capped = ('avx512_bf16' in caps.flags or 'amx_bf16' in caps.flags) and caps.isa_limit
-    why = (f"ONEDNN_MAX_CPU_ISA={caps.isa_limit} keeps oneDNN from its bf16 kernels" if capped else
-           f"no AVX512-BF16 or AMX on this CPU ({caps.cpu_class})")
-    return dict(bf16=(False, why), fp16=fp16)
+    "For 'bf16' and 'fp16': (whether native kernels are fast on `caps`, or read to work there and not measured; why): `device_rule`'s"
+    r = device_rule(caps)
+    if r is None: return dict.fromkeys(('bf16', 'fp16'), (False, _no_rule(caps.device_type)))
+    res = {n: (speed != 'slow', rule_text(why, caps)) for n,(speed,why) in (('bf16', r.bf16), ('fp16', r.fp16))}
+    if caps.device_type == 'cpu':  # this CPU's own facts, beside its class's rule
+        if r.bf16[0] == 'slow' and caps.isa_limit and {'avx512_bf16', 'amx_bf16'} & caps.flags:
+            res['bf16'] = (False, f"ONEDNN_MAX_CPU_ISA={caps.isa_limit} keeps oneDNN from its bf16 kernels")
+        if caps.has('amx_fp16'): res['fp16'] = (False, res['fp16'][1] + " (this CPU has AMX-FP16, not yet measured: `fastai-fp16 doctor` times it)")
+    return res
 
 _names = {torch.float16: 'fp16', torch.bfloat16: 'bf16', torch.float32: 'fp32'}
-_slow = dict(cpu=dict(bf16="a training step 8-30x slower than fp32", fp16="a training step ~10-100x slower than fp32"),
-             cuda=dict(bf16="slower than fp16", fp16="slower than fp32"))
 
 class PrecisionPlan(_Record):
     "What a fit runs: the model's dtype, whether convolutions and linear layers compute in fp32, and why"
     def __init__(self,
         dtype:torch.dtype, # the model's dtype in the fit (fp32: plain fp32 training)
         fp32_math:bool, # convolutions and linear layers in fp32, outputs and grads rounded to `dtype`
-        fast:bool, # `dtype` has fast native kernels here (fp32 always does)
+        fast:bool, # `dtype` has fast native kernels here, or was read to work and not measured (fp32 always)
         requested:str, # what was asked: 'auto', 'fp16' or 'bf16'
         reason:str, # why, in a few words
         device:str='cpu', # the device type
@@ -185,61 +200,101 @@ def _fp32_math_arg(fp32_math):
         raise ValueError(f"fp32_math must be 'auto', True or False, got {fp32_math!r}.")
     return fp32_math
 
+# what fp32 math holds at a training batch's peak (tools/27_bench_live, an AVX2 EPYC): half activations, and each
+# weight's bf16 cast until its layer's backward
+_f32_memory = ("; live memory: half activations, plus each weight's bf16 copy until its backward (resnet18 measured 1.09x "
+               "fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)")
+
 def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
                    dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16'); names in any case
-                   fp32_math='auto', # 'auto': on where `dtype`'s native kernels are slow (CPU only); True; False
+                   fp32_math='auto', # 'auto': on where `dtype`'s native kernels are slow and the rule says so (CPU); True; False
                   )->PrecisionPlan:
-    "The precision a fit of `dtype` runs on `caps`"
+    "The precision a fit of `dtype` runs on `caps`, as its `device_rule` says"
     _fp32_math_arg(fp32_math)
-    sup, dev = half_support(caps), caps.device_type
+    sup, dev, rule = half_support(caps), caps.device_type, device_rule(caps)
     dtype = half_dtype(dtype, auto=True)  # names in any case
     if dtype == 'auto':
-        order = ('bf16', 'fp16') if dev == 'cuda' else ('bf16',)
-        pick = next((n for n in order if sup[n][0]), None)
-        if pick is None:
-            return PrecisionPlan(torch.float32, False, True, 'auto', f"fp32 is fastest here: {sup['bf16'][1]}", dev)
-        d = half_dtype(pick)
-        return PrecisionPlan(d, fp32_math is True, True, 'auto', f"fast native {pick}: {sup[pick][1]}", dev)
+        pick = 'fp32' if rule is None else rule.auto
+        if pick == 'fp32':
+            why = (f"fp32: {_no_rule(dev)}" if rule is None else f"fp32: {rule_text(rule.refuse, caps)}" if rule.refuse else
+                   f"fp32 is fastest here: {sup['bf16'][1]}")
+            return PrecisionPlan(torch.float32, False, True, 'auto', why, dev)
+        how = f"fast native {pick}" if getattr(rule, pick)[0] == 'fast' else f"native {pick}, its speed not measured here"
+        return PrecisionPlan(half_dtype(pick), fp32_math is True, True, 'auto', f"{how}: {sup[pick][1]}", dev)
     d = half_dtype(dtype); n = _names[d]
     fast, why = sup[n]
-    f32 = (not fast and dev == 'cpu') if fp32_math == 'auto' else fp32_math
-    warn = None
-    if not fast and not f32:
+    f32 = (not fast and rule is not None and rule.math == 'fp32') if fp32_math == 'auto' else fp32_math
+    warn, reason = None, why
+    if rule is None: warn = None if f32 else f"{n} on {dev}: {_no_rule(dev)}; it trains in {n}, torch's own kernels."
+    elif not fast and f32: reason = f"convolutions and linear layers compute in fp32, as native {n} is slow here: {why}" + (_f32_memory if dev == 'cpu' else '')
+    elif not fast:
         # `to_float()` first: the warning comes from a fit, and `to_half` refuses a Learner that has it
-        fix = (f"`learn.to_float().to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_float().to_half('auto')`" if dev == 'cpu' else
-               "`learn.to_float().to_half('auto')`" + (" (fp16 here)" if sup['fp16'][0] else " (fp32 here)"))
-        warn = f"{n} on this {'CPU' if dev == 'cpu' else 'GPU'} runs slow native kernels ({why}): expect {_slow.get(dev, {}).get(n, 'a slowdown')}. Use {fix}."
-    reason = why if fast else (f"native {n} is slow here: {why}" if not f32 else
-                               f"convolutions and matmuls compute in fp32, as native {n} is slow here: {why}")
+        fix = (f"`learn.to_float().to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_float().to_half('auto')`" if rule.math == 'fp32'
+               else f"`learn.to_float().to_half('auto')` ({rule.auto} here)")
+        warn = f"{n} on this {'CPU' if dev == 'cpu' else 'GPU'} runs slow native kernels ({why}): expect {rule.slow.get(n, 'a slowdown')}. Use {fix}."
+        reason = f"native {n} is slow here: {why}"
+    elif getattr(rule, n)[0] == 'unmeasured': reason = f"{why}; its speed not measured here"
     return PrecisionPlan(d, f32, fast, n, reason, dev, warn)
 
+def check_device(caps:Capabilities, # the fit's device (`detect`)
+                 dtype='auto', # as for `plan_precision`
+                 master_weights:bool=True, # `MixedPrecision`'s: False sends half grads to torch's unscale kernel
+                 fp32_math='auto'): # as for `plan_precision`
+    "Raise a clear error where `caps`' rule says a fit of `dtype` (or its `master_weights=False`) cannot train"
+    rule, p = device_rule(caps), plan_precision(caps, dtype, fp32_math)
+    if rule is None or p.dtype == torch.float32: return
+    dev = caps.device_type
+    if rule.refuse: raise ValueError(f"to_half({p.requested!r}) on {dev}: {rule_text(rule.refuse, caps)}, or train fp32: `learn.to_float()`.")
+    if rule.half_grads and not master_weights and p.dtype == torch.float16: raise ValueError(
+        f"master_weights=False on {dev} unscales fp16 grads in torch's kernel, and {rule_text(rule.half_grads, caps)}. Keep the fp32 "
+        "masters: `learn.to_float().to_half('fp16')` (master_weights=True, the default); bf16 grads take this package's own unscale.")
+
 # %% ../nbs/04_hardware.ipynb #0bd2343b
+def _hw(c:Capabilities)->str:
+    "A device's line of the report"
+    if c.device_type == 'cpu': return (f"CPU: {c.name} ({c.cpu_class}; flags: {', '.join(sorted(c.flags)) or 'none'}; torch vector ISA: "
+                                       f"{c.vector_isa or '?'}" + (f"; ONEDNN_MAX_CPU_ISA={c.isa_limit}" if c.isa_limit else '') + ')')
+    facts = (([f"compute capability {c.cc[0]}.{c.cc[1]}"] if c.cc else []) + ([f"native bf16: {'yes' if c.xpu_bf16 else 'no'}"] if c.device_type == 'xpu' else [])
+             + ([f"torch {'.'.join(map(str, c.torch_version))}"] if c.torch_version else []))
+    return f"{c.device_type}: {c.name}" + (f" ({'; '.join(facts)})" if facts else '')
+
 @dataclass
 class PrecisionReport:
-    "Capabilities of a device, which half dtypes are fast there, and the recommended `to_half` call"
+    "Capabilities of a device, which half dtypes are fast there, the rule that says so (`device_rule`; None: no row), the CPU beside a GPU, and the recommended `to_half` call"
     caps:Capabilities
     support:dict
     plan:PrecisionPlan
+    rule:DeviceRule|None=None
+    cpu:Capabilities|None=None
     @property
     def call(self)->str:
         "The recommended call"
         p = self.plan
-        return "learn.to_half('auto')" + ('' if p.dtype != torch.float32 else "  # = fp32 training here; or learn.to_half('bf16') for "
-                                          "bf16 storage with fp32 math (GPU numerics, about fp32's speed)")
+        if p.dtype != torch.float32: return "learn.to_half('auto')"
+        return "learn.to_half('auto')  # = fp32 training here" + ("; or learn.to_half('bf16') for bf16 storage with fp32 math (GPU "
+                                                                 "numerics, about fp32's speed)" if p.device == 'cpu' else '')
     def describe(self, call:bool=True)->str:
         "The report as lines of text (with the recommended call unless `call` is False)"
-        c = self.caps
-        hw = (f"CPU: {c.name} ({c.cpu_class}; flags: {', '.join(sorted(c.flags)) or 'none'}; torch vector ISA: {c.vector_isa or '?'}"
-              + (f"; ONEDNN_MAX_CPU_ISA={c.isa_limit}" if c.isa_limit else '') + ')' if c.device_type == 'cpu'
-              else f"{c.device_type}: {c.name}" + (f" (compute capability {c.cc[0]}.{c.cc[1]})" if c.cc else ''))
-        lines = [hw] + [f"  {n}: {'fast' if ok else 'slow'} ({why})" for n,(ok,why) in self.support.items()]
+        r, dev = self.rule, self.caps.device_type
+        speed = lambda n, ok: 'slow' if not ok else 'not measured' if r is not None and getattr(r, n)[0] == 'unmeasured' else 'fast'
+        lines = [_hw(self.caps)] + [f"  {n}: {speed(n, ok)} ({why})" for n,(ok,why) in self.support.items()]
         lines.append(f"  auto: {self.plan.kernels} ({self.plan.reason})")
+        lines.append(f"  rule: {dev}, {r.condition} ({r.source})" if r is not None else f"  rule: none ({_no_rule(dev)})")
+        if self.cpu is not None: lines.append(f"  beside it, {_hw(self.cpu)}")
         return '\n'.join(lines + ([f"  recommended: {self.call}"] if call else []))
     def __repr__(self): return self.describe()
 
-def precision_report(device=None, # a device (default: 'cuda' if available, else 'cpu')
+def fastai_device()->torch.device:
+    "The device fastai trains on by default (`fastai.torch_core.default_device()`: CUDA, else MPS on a Mac, else the CPU)"
+    import fastai.torch_core as tc  # read at each call: where a test, or tools/pretend.py, has set it
+    return torch.device(tc.default_device())
+
+def precision_report(device=None, # a device (default: `fastai_device()`, the one fastai trains on)
                      caps:Capabilities|None=None, # capabilities to report on instead of detecting them
                     )->PrecisionReport:
-    "What `device` offers for half precision and what `to_half('auto')` picks there"
-    caps = caps or detect(device)
-    return PrecisionReport(caps, half_support(caps), plan_precision(caps, 'auto'))
+    "What `device` offers for half precision, what `to_half('auto')` picks there and why; with a GPU, the CPU beside it"
+    cpu = None
+    if caps is None:
+        caps = detect(device if device is not None else fastai_device())
+        if caps.device_type != 'cpu': cpu = detect('cpu')
+    return PrecisionReport(caps, half_support(caps), plan_precision(caps, 'auto'), device_rule(caps), cpu)

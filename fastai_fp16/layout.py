@@ -6,6 +6,7 @@
 from __future__ import annotations
 import sys, torch, torch.nn as nn
 from fastai.callback.core import Callback
+from .device_rules import device_rule, rule_text
 from .hardware import Capabilities, PrecisionPlan, plan_precision, detect, _names
 
 # %% auto #0
@@ -20,43 +21,18 @@ def conv_kind(model:nn.Module)->str:
     return 'depthwise' if 10*dw >= len(convs) else 'dense'
 
 # %% ../nbs/04a_layout.ipynb #b7a10009
-# What a whole training step measured (`fastai-fp16 bench`'s `Learner.fit` through our callbacks, resnet18 and
-# mobilenet_v3_small at 64 and 128 px, batch 32, 2 threads; NCHW and NHWC side by side) on a Zen 4 (AVX512-BF16), and
-# on it with oneDNN and ATen capped to the other classes (`ONEDNN_MAX_CPU_ISA`, `ATEN_CPU_CAPABILITY`), NCHW and NHWC
-# in alternating pairs: whether NHWC was faster, by class, what the convolutions compute in, and kind of model
-_cpu_nhwc = {  # (faster NHWC, NHWC's speed-up: NCHW's step time / NHWC's)
-    ('avx512_bf16', 'bf16', 'dense'): (True, '1.11x at 128 px, 0.95-1.19x at 64 px'),
-    ('avx512_bf16', 'bf16', 'depthwise'): (True, '1.09x at 128 and 64 px'),
-    ('avx512_bf16', 'fp32', 'dense'): (True, '1.13x at 128 px, 1.01x at 64 px'),
-    ('avx512_bf16', 'fp32', 'depthwise'): (True, '1.46x at 128 px, 1.44-1.54x at 64 px'),
-    ('avx512', 'fp32', 'dense'): (True, '1.18x at 128 px, 0.98-1.12x at 64 px'),
-    ('avx512', 'fp32', 'depthwise'): (True, '1.80x at 128 px, 1.37x at 64 px'),
-    # slower on small images: `'auto'` is never slower than fp32 as fastai runs it; for large ones, `channels_last=True`
-    ('avx2', 'fp32', 'dense'): (False, "0.86-0.89x NCHW's speed at 64 px (at 128 px faster: 1.17x)"),
-    ('avx2', 'fp32', 'depthwise'): (True, '1.36x at 128 px, 1.10x at 64 px')}
-# where `'auto'`'s fast half dtype still lost to fp32: oneDNN's bf16 depthwise convolutions (mobilenet_v3_small: bf16
-# 1.4-1.7x fp32 NHWC's step time on the Zen 4)
-_cpu_fp32_faster = {('avx512_bf16', 'depthwise'): 'bf16 took 1.4-1.7x the step time of fp32 NHWC, mobilenet_v3_small'}
-
 def prefers_channels_last(caps:Capabilities, # the device (`detect`)
                           plan:PrecisionPlan, # the fit's precision (`plan_precision`)
                           kind:str, # the model's `conv_kind`
                          )->tuple: # (channels_last, why)
-    "Whether a fit of `plan` trains a `kind` model faster in channels_last on `caps`, and why"
+    "Whether a fit of `plan` trains a `kind` model faster in channels_last on `caps`, and why: its `device_rule`'s `nhwc`"
     if kind == 'none': return False, "no 2d convolutions"
     k = 'fp32' if plan.dtype == torch.float32 or plan.fp32_math else _names[plan.dtype]  # what the convolutions compute in
-    if caps.device_type == 'cuda':
-        cc, need = tuple(caps.cc or (0,0)), {'fp16': (7,0), 'bf16': (8,0)}.get(k)
-        if need and cc >= need: return True, f"tensor cores take {k} convolutions NHWC (compute capability {cc[0]}.{cc[1]})"
-        return False, f"{k} convolutions without tensor cores: NCHW" + (" is faster in fp32" if k == 'fp32' else '')
-    if caps.device_type != 'cpu': return False, f"no rules for device type {caps.device_type!r}"
-    cls = caps.cpu_class
-    # AMX: not measured; its convolutions are oneDNN's, as on AVX512-BF16
-    src = 'avx512_bf16' if cls == 'amx' else cls
-    m = _cpu_nhwc.get((src, k, kind))
-    if m is None: return False, f"NHWC not measured for {k} {kind} convolutions on {cls}"
-    return m[0], (f"{k} {kind} convolutions measured {'faster' if m[0] else 'slower'} NHWC on {src}: {m[1]}"
-                  + (" (AMX not measured)" if src != cls else ''))
+    rule = device_rule(caps)
+    if rule is None: return False, f"no rule for device type {caps.device_type!r}"
+    m = rule.layout(k, kind)
+    if m is None: return False, f"NHWC not measured for {k} {kind} convolutions on {caps.cpu_class if caps.device_type == 'cpu' else caps.device_type}"
+    return m[0], f"{k} {kind} convolutions {rule_text(m[1], caps)}"
 
 def plan_kind(caps:Capabilities, # the device (`detect`)
               dtype='auto', # as for `plan_precision`
@@ -65,10 +41,11 @@ def plan_kind(caps:Capabilities, # the device (`detect`)
               channels_last:bool|None=None, # True/False as asked; None: where `prefers_channels_last` says so
              )->PrecisionPlan:
     "`plan_precision`'s plan for a `kind` model, with the memory format the fit trains in and why"
-    p = plan_precision(caps, dtype, fp32_math)
-    if p.requested == 'auto' and p.dtype != torch.float32 and caps.device_type == 'cpu' and (caps.cpu_class, kind) in _cpu_fp32_faster:
+    p, rule = plan_precision(caps, dtype, fp32_math), device_rule(caps)
+    slower = rule.fp32_faster.get(kind) if rule is not None else None  # where 'auto''s fast half dtype still lost to fp32
+    if p.requested == 'auto' and p.dtype != torch.float32 and slower:
         p = PrecisionPlan(torch.float32, False, True, 'auto', f"fp32 is faster for {kind} conv nets here: {kind} convolutions "
-                          f"measured slower in {_names[p.dtype]} on {caps.cpu_class} ({_cpu_fp32_faster[caps.cpu_class, kind]})", 'cpu')
+                          f"measured slower in {_names[p.dtype]} on {caps.cpu_class} ({slower})", caps.device_type)
     if channels_last is not None: p.channels_last, p.layout = bool(channels_last), 'as asked'
     elif kind is not None: p.channels_last, p.layout = prefers_channels_last(caps, p, kind)
     return p

@@ -11,6 +11,7 @@ from fastcore.basics import patch
 from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
 from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, RandomPool, _per_element
 from .writes import Writes, raw, _blockwise
+from .bit_check import check_bit_ops
 
 # %% auto #0
 __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
@@ -276,6 +277,7 @@ def _lean_for(mp, r)->LeanMasters:
     learn = mp.learn
     if learn.opt is None: learn.create_opt()
     ps = list({id(t): t for _,_,t in r.mth._pick(learn.model)[0] if isinstance(t, torch.nn.Parameter)}.values())
+    if ps: check_bit_ops(ps[0].device, mp.masters, (split_into, join_into, round_stochastic))  # as a CPU's (once a process), before any change
     return mp.lean.begin(learn.opt, ps)  # `mp`'s own, kept over fits with its step count
 
 def _step_lean(run, opt, dev:torch.device, asked:bool|None, master_weights:bool=True):

@@ -96,9 +96,9 @@ class MixedPrecision(Callback):
     def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': getattr(self.lean, 'steps', 0)}
     def _checked_state(self, sd:dict)->tuple:
         "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
-        dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16)}, sd.get('dtype') if isinstance(sd, dict) else None
+        dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32)}, sd.get('dtype') if isinstance(sd, dict) else None
         if dt is not None and dt not in dts: raise ValueError(f"mixed-precision state: 'dtype' must be one of {list(dts)} (the "
-            f"half dtype of the run it is from), got {dt!r}. Load what `MixedPrecision.state_dict()` returned.")
+            f"dtype of the run it is from), got {dt!r}. Load what `MixedPrecision.state_dict()` returned.")
         return self.scaler._checked_state(sd['scaler'] if isinstance(sd, dict) and 'scaler' in sd else sd), dts.get(dt, self._scaler_dtype)
     def load_state_dict(self, sd:dict):
         "Restore what `state_dict` returned (or a bare `LossScaler` state); a refused one leaves this as it was"
@@ -122,8 +122,8 @@ class MixedPrecision(Callback):
         mth = _role(self.learn, 'model')[0]
         r = self._run = _Run(getattr(mth, 'run_dtype', torch.float32), mth)  # none: its error comes first
         self._depth = 1
-        if r.off: return  # a plain fp32 run: `to_half('auto')` where fp32 is fastest, fp16 inference on CPU
-        if _in_fit(self.learn): self._for_dtype(r.dt)
+        if _in_fit(self.learn): self._for_dtype(r.dt)  # fp32 too (`to_half('auto')` where fp32 is fastest): a static scale of 1
+        if r.off: return  # no window, no casts: a plain fp32 fit, its steps checked all the same (`_setup`); fp16 inference on CPU
         gan = _gan(self.learn)
         r.gan = gan is not None  # its loss calls its models: the window stays open until the loss is computed
         if self.masters != 'fp32' and _in_fit(self.learn): r.lean = _lean_for(self, r)  # params bf16 at rest, before DDP wraps them
@@ -151,7 +151,7 @@ class MixedPrecision(Callback):
     def before_train(self):
         _raise_pending(self)
         r = self._run
-        if r is not None and not r.off and not r.ready: self._setup()
+        if r is not None and not r.ready and (not r.off or _in_fit(self.learn)): self._setup()
     def after_train(self):
         if getattr(self._run, 'smooth', None) is not None: self._run.smooth.put_back()  # before fastai's Recorder logs it
 
@@ -165,10 +165,12 @@ class MixedPrecision(Callback):
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = self.skipped_search = 0
         for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
         r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
-        r.rest, r.smooth, r.search = _AtRest(self), SmoothedLoss(learn), _Search()
+        r.rest, r.smooth, r.search = None if r.off else _AtRest(self), SmoothedLoss(learn), _Search()
 
-    def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are
-        (_step_lean if self._run.lean else _step_with)(self._run, opt, dev, self.fused_step, self.master_weights)
+    def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are; the fp32 plan's as it is
+        r = self._run
+        if r.off: r.opt = opt
+        else: (_step_lean if r.lean else _step_with)(r, opt, dev, self.fused_step, self.master_weights)
     @property
     def fused(self)->bool:
         "Whether this fit steps fastai's `Adam` in torch's fused kernel"
@@ -180,8 +182,8 @@ class MixedPrecision(Callback):
         if r is None: raise RuntimeError(
             "MixedPrecision got a batch outside a fit: its state is made at `before_fit`, which `learn.one_batch` alone does not "
             "fire. Use `learn.fit`, or fire the events in fastai's order (`with learn: ...`, or `learn('before_fit')` first).")
-        if r.off: return
-        if not self.loss_fp32 and r.yb is None:  # the loss takes the targets half too (the study's pure fp16), until the batch lands
+        if r.off and not r.ready: return
+        if not r.off and not self.loss_fp32 and r.yb is None:  # the loss takes the targets half too (the study's pure fp16), until the batch lands
             r.yb, self.learn.yb = self.yb, cast_floats(self.yb, r.dt)
             for cb in self.learn.cbs:  # MixUp/CutMix mix the half losses with `torch.lerp`: its weight in their dtype
                 lam = getattr(cb, 'lam', None) if isinstance(cb, MixHandler) else None
@@ -193,6 +195,7 @@ class MixedPrecision(Callback):
         if r.ready and r.fresh and self.guard_buffers:  # before a step's first forward
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
+        if r.off: return  # the fp32 plan: no window, no casts
         if isinstance(m, DistributedDataParallel) and r.ddp is not m:
             _compress(m, r.dt); r.ddp = m
             if r.lean: r.lean.broadcast()  # rank 0's low bits too: DDP broadcast its bf16 params
@@ -247,10 +250,11 @@ class MixedPrecision(Callback):
         r.stepped = False
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
         fi, rest = r.found_inf, r.rest
-        rest.stop()
-        if rest.done: unscale_grads_(self._grads(), r.one, fi[:1], 1.)  # unscaled at a forward at rest: the new grads checked too
+        if rest is not None: rest.stop()
+        if rest is None: fi.zero_(); nonfinite_(self._grads(), fi[:1], r.one)  # the fp32 plan: checked, nothing to unscale
+        elif rest.done: unscale_grads_(self._grads(), r.one, fi[:1], 1.)  # unscaled at a forward at rest: the new grads checked too
         else: fi.zero_(); unscale_grads_(self._grads(), r.inv_scale, fi[:1], self.loss_scale)
-        rest.done = False
+        if rest is not None: rest.done = False
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(fi, op=dist.ReduceOp.MAX)  # every rank skips if any rank overflowed

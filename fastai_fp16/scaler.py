@@ -22,11 +22,13 @@ def _advice(s)->str:
     half = (("clipping the gradients: `learn.to_float().to_half('bf16', clip=1.)`") if not s.dynamic and s.init_scale == 1 else
             ("bf16, which has fp32's range and needs no loss scale: `learn.to_float().to_half('bf16')`; clipping the "
              "gradients: `learn.to_float().to_half('fp16', clip=1.)`"))
+    fp32 = getattr(s, 'fp32', False)  # an fp32 fit's: no half to drop
+    if fp32: half = "clipping the gradients: `learn.to_float().to_half('auto', clip=1.)`"
     low = (f"min_scale={scale_text(s.min_scale)} may be set too high: the gradients overflow at that scale, so lower it "
            "(the default is 1: `learn.to_float().to_half('fp16', min_scale=1.)`, with your other settings); else try"
            if s.dynamic and s.scale <= s.min_scale and s.min_scale > 1 else "Try")
-    return (f"{low}: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data; "
-            "or fp32: `learn.to_float()`.")
+    return (f"{low}: a lower learning rate; {half}; capping large losses (`soft_cap`); looking for inf/NaN in the data"
+            + ("." if fp32 else "; or fp32: `learn.to_float()`."))
 
 def _num(v)->bool: return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)  # NaN and inf: no
 def _int(v, lo:int)->bool: return _num(v) and v == int(v) and v >= lo
@@ -133,9 +135,11 @@ class LossScaler:
 def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
     "A `LossScaler` with the settings `kw`, and `dtype`'s defaults for `init_scale` and `dynamic` left to None"
     bf = dtype != torch.float16  # bf16 has fp32's range: no scaling needed
+    if dtype == torch.float32: kw.update(init_scale=1., dynamic=False)  # an fp32 fit: scale 1, never scaling (its skips counted)
     if kw.get('init_scale') is None: kw['init_scale'] = 1. if bf else 2.**16
     if kw.get('dynamic') is None: kw['dynamic'] = not bf
-    return LossScaler(**kw)
+    s = LossScaler(**kw); s.fp32 = dtype == torch.float32  # its advice on a collapse: the fit is fp32 already
+    return s
 
 class _Search:
     "Which of a fit's overflow skips are a dynamic scale's normal search: all before the fit's first clean step; after it, one back-off per `growth_interval` clean steps"

@@ -5,7 +5,7 @@ from fastai.data.core import DataLoaders
 from fastai.callback.core import Callback
 from fastai.callback.channelslast import ChannelsLast
 from fastai_fp16.all import *
-import fastai_fp16.layout as layout
+from fastai_fp16.device_rules import device_rules, device_rule
 from helpers import *
 
 def img_dls(n=32, bs=8, size=8, seed=0):
@@ -29,8 +29,9 @@ class Layout(Callback):
 @pytest.fixture
 def measured(monkeypatch):
     "A CPU class where NHWC was measured faster for dense fp32 conv nets and slower for depthwise ones"
-    monkeypatch.setitem(layout._cpu_nhwc, ('avx2', 'fp32', 'dense'), (True, 'made up'))
-    monkeypatch.setitem(layout._cpu_nhwc, ('avx2', 'fp32', 'depthwise'), (False, 'made up'))
+    nhwc = device_rule(cpu_caps('avx2')).nhwc  # the row the plan reads
+    monkeypatch.setitem(nhwc, ('fp32', 'dense'), (True, 'measured faster NHWC on avx2: made up'))
+    monkeypatch.setitem(nhwc, ('fp32', 'depthwise'), (False, 'measured slower NHWC on avx2: made up'))
     return cpu_caps('avx2')
 
 def fit(learn, caps):
@@ -75,6 +76,8 @@ def test_not_measured_stays_nchw():
     assert p.channels_last is False and 'not measured' in p.layout
 
 def test_measured_table_is_what_the_plan_goes_by():
-    for (cls, k, kind), fast in layout._cpu_nhwc.items():
-        plan = plan_precision(cpu_caps(cls), 'bf16', fp32_math=k == 'fp32')  # convolutions in fp32 (fp32 math) or bf16
-        assert prefers_channels_last(cpu_caps(cls), plan, kind)[0] == fast[0], (cls, k, kind)
+    for rule in (r for r in device_rules if r.device == 'cpu' and r.when['cpu_class'] in cpu_classes):
+        cls = rule.when['cpu_class']
+        for (k, kind), fast in rule.nhwc.items():
+            plan = plan_precision(cpu_caps(cls), 'bf16', fp32_math=k == 'fp32')  # convolutions in fp32 (fp32 math) or bf16
+            assert prefers_channels_last(cpu_caps(cls), plan, kind)[0] == fast[0], (cls, k, kind)

@@ -310,3 +310,31 @@ def test_to_float_after_bf16_states_trains_as_plain_fp32():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(states(ref), states(learn)))
     fit(learn, 1); fit(ref, 1)
     assert all(torch.equal(p, q) for p, q in zip(learn.model.parameters(), ref.model.parameters()))
+
+def saturating_split(x, hi, lo):
+    "`split_into` on a device whose narrowing int32 -> int16 copy saturates (as MPS's float -> int8 does, pytorch#169058)"
+    xi = x.view(torch.int32)
+    lo.copy_(xi.clamp(-2**15, 2**15 - 1)); hi.view(torch.int16).copy_(xi.add_(0x8000).bitwise_right_shift_(16))
+
+def test_the_bit_operations_are_checked_once_a_process_per_device_type(monkeypatch):
+    "Issue 54: each lean mode's bit operations give a CPU's known answers here; checked once, at the first lean fit"
+    import fastai_fp16.bit_check as bc
+    monkeypatch.setattr(bc, '_verdicts', {})
+    calls = []
+    ops = bc._ops
+    monkeypatch.setattr(bc, '_ops', lambda dev, fns: calls.append(dev) or ops(dev, fns))
+    for m in LEAN: fit(learner(m), epochs=1)
+    assert calls == [torch.device('cpu')] and set(bc._verdicts['cpu'].values()) == {None}
+
+@pytest.mark.parametrize('masters', LEAN)
+def test_a_device_whose_bit_operations_differ_is_refused(monkeypatch, masters):
+    "A lean mode whose ops give other answers on the fit's device is refused, naming it and `masters=`, before anything changes"
+    import fastai_fp16.bit_check as bc, fastai_fp16.masters as fm
+    monkeypatch.setattr(bc, '_verdicts', {})
+    monkeypatch.setattr(fm, 'split_into', saturating_split)
+    learn = learner(masters)
+    w = params(learn)
+    if masters == 'split':
+        with pytest.raises(ValueError, match=r"masters='split' keeps .* on cpu they do not give a CPU's answers \(split gave"): fit(learn)
+        assert all(torch.equal(a, b) for a, b in zip(w, params(learn))) and {p.dtype for p in learn.model.parameters()} == {torch.float32}
+    else: fit(learn)  # Kahan's and stochastic rounding's ops are not the split's

@@ -229,12 +229,19 @@ def markdown_table(res:dict)->str:
                 f"| thread CPU ms/step | {b['fp32_ms']:.2f} | {b['autocast_ms']:.2f} | {b['half_ms']:.2f} | {b['overhead_ms']:+.2f} | {b['vs_autocast']:.2f} |",
                 f"| wall ms/step | {b['fp32_wall_ms']:.2f} | {b['autocast_wall_ms']:.2f} | {b['half_wall_ms']:.2f} | {b['overhead_wall_ms']:+.2f} | |", '',
                 f"Of the to_half step, {b['callbacks_ms']:.2f} ms (thread CPU) is in its callbacks.", '']
+    if 'fp32_plan' in res:
+        f = res['fp32_plan']
+        out += [f"The fp32 plan's promises (`fp32_plan_overhead`: `stand_in_model`, {f['threads'] or 'all'} thread(s), medians of "
+                f"{f['batches']} steps, {f['sweeps']} alternating sweeps): plain fp32 against `to_half('auto')` planning fp32:", '',
+                '| | fp32 | to_half(\'auto\'), fp32 plan | ratio (median of sweeps) |', '|---|---|---|---|',
+                f"| thread CPU ms/step | {f['fp32_ms']:.2f} | {f['auto_ms']:.2f} | {f['ratio']:.3f} |",
+                f"| wall ms/step | {f['fp32_wall_ms']:.2f} | {f['auto_wall_ms']:.2f} | {f['wall_ratio']:.3f} |", '']
     for e in e2e: out += _e2e_table(e)
     return '\n'.join(out)
 
 # %% ../../nbs/tools/22_bench.ipynb #67c36688
 @call_parse
-def bench(device:str='cpu', # cpu or cuda
+def bench(device:str='cpu', # cpu, cuda, mps or xpu
           arch:str='resnet18', # torchvision model for the end-to-end runs
           size:int=None, # image size in pixels (default: 64 and 128 on a CPU, 224 on CUDA)
           bs:int=32, # batch size
@@ -246,6 +253,7 @@ def bench(device:str='cpu', # cpu or cuda
           repeats:int=20, # timed repeats of the overhead benchmark (median)
           overhead:bool_arg=True, # run the optimizer-side overhead benchmark
           batch:bool_arg=True, # run the per-batch overhead benchmark (negligible compute: what `to_half` adds to a step)
+          fp32_plan:bool_arg=True, # what the fp32 plan's checks cost against plain fp32 (negligible compute, CPU)
           e2e:bool_arg=True, # run the end-to-end benchmark
           threads:int=None, # torch CPU threads (default: torch's); 1 is steadier on a shared machine
           variants:str=None, # comma-separated end-to-end variants (default: every one the device runs)
@@ -259,6 +267,7 @@ def bench(device:str='cpu', # cpu or cuda
     res = dict(machine=machine_info(device))
     if overhead: res['overhead'] = overhead_bench(overhead_arch, device=device, repeats=repeats)
     if batch: res['batch_overhead'] = batch_overhead('bf16' if torch.device(device).type == 'cpu' else 'fp16', device=device)
+    if fp32_plan and torch.device(device).type == 'cpu': res['fp32_plan'] = fp32_plan_overhead()
     if e2e: res['e2e'] = [e2e_bench(arch, s, bs, steps, warmup, device, variants=vs, rounds=rounds, progress=True) for s in sizes]
     print(markdown_table(res))
     if json:

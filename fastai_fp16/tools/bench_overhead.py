@@ -17,10 +17,11 @@ from fastai.torch_core import to_float
 from ..core import *
 from ..core import half_dtype
 from ..mixed_precision import ModelToHalf, BatchNormToFloat, MixedPrecision
+from ..hardware import assume_capabilities, cpu_caps
 
 # %% auto #0
 __all__ = ['half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench', 'SynthDL', 'SkipValid', 'StepTimer',
-           'CallTimer', 'Autocast', 'stand_in_model', 'batch_overhead']
+           'CallTimer', 'Autocast', 'stand_in_model', 'batch_overhead', 'fp32_plan_overhead']
 
 # %% ../../nbs/tools/21_bench_overhead.ipynb #3562e00c
 def half_params(arch:str='resnet50', # a torchvision model name
@@ -35,9 +36,10 @@ def half_params(arch:str='resnet50', # a torchvision model name
     return ps
 
 def _sync(device=None):
-    "Wait for the GPU's queued work (no-op on CPU)"
+    "Wait for the GPU's queued work (no-op on CPU; MPS and XPU too)"
     if (device is None and torch.cuda.is_initialized()) or (device is not None and torch.device(device).type == 'cuda'):
         torch.cuda.synchronize(device)
+    elif device is not None and torch.device(device).type in ('mps', 'xpu'): getattr(torch, torch.device(device).type).synchronize()
 
 def median_ms(f, repeats:int=20, warmup:int=3, device='cpu')->float:
     "Median wall time of `f()` in ms over `repeats` calls, after `warmup` calls"
@@ -191,3 +193,21 @@ def batch_overhead(dtype:str='bf16', # the half dtype: `to_half(dtype, fp32_math
                 fp32_wall_ms=med('fp32', 1), autocast_wall_ms=med('autocast', 1), half_wall_ms=med('ours', 1),
                 overhead_wall_ms=statistics.median(r['ours'][1] - r['fp32'][1] for r in runs),
                 sweeps=sweeps, batches=batches, threads=threads, runs=runs)
+
+# %% ../../nbs/tools/21_bench_overhead.ipynb #f838859c
+def fp32_plan_overhead(sweeps:int=7, # fits of each, alternating; the figures are medians over them
+                       batches:int=50, # timed steps per fit
+                       warmup:int=10, # untimed steps first
+                       threads:int|None=1, # torch CPU threads for the measurement (then restored)
+                      )->dict:
+    "A training step of `stand_in_model` in plain fp32 and under `to_half('auto')` where it plans fp32: thread CPU ms, wall ms, medians and ratios"
+    old = torch.get_num_threads()
+    if threads: torch.set_num_threads(threads)
+    try:
+        with assume_capabilities(cpu_caps('avx2')):  # 'auto' plans fp32 there
+            runs = [{k: _step_ms(k, 'auto', batches, warmup) for k in (('fp32', 'ours') if i % 2 == 0 else ('ours', 'fp32'))} for i in range(sweeps)]
+    finally: torch.set_num_threads(old)
+    med = lambda k, i: statistics.median(r[k][i] for r in runs)
+    ratio = lambda i: statistics.median(r['ours'][i] / r['fp32'][i] for r in runs)  # each sweep's pair, side by side
+    return dict(fp32_ms=med('fp32', 0), auto_ms=med('ours', 0), ratio=ratio(0), fp32_wall_ms=med('fp32', 1), auto_wall_ms=med('ours', 1),
+                wall_ratio=ratio(1), callbacks_ms=med('ours', 2), sweeps=sweeps, batches=batches, threads=threads, runs=runs)

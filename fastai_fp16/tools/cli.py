@@ -22,11 +22,15 @@ __all__ = ['CLIError', 'md_table', 'write_results', 'compare_cmd', 'train_cmd', 
 # %% ../../nbs/tools/25_cli.ipynb #4e63e4a5
 class CLIError(Exception): "A usage error, shown as one line"
 
-def _device(device:str|None)->str:
+def _device(device:str|None, gpus:tuple=('cuda',))->str:
+    "`--device` checked: the CPU, or one of `gpus` that torch sees here (default: CUDA if it does)"
     import torch
     if device is None: return 'cuda' if torch.cuda.is_available() else 'cpu'
-    if device not in ('cpu','cuda'): raise CLIError(f"--device must be cpu or cuda, got {device!r}.")
+    ok = ('cpu',) + gpus
+    if device not in ok: raise CLIError(f"--device must be {', '.join(ok[:-1])} or {ok[-1]}, got {device!r}.")
     if device == 'cuda' and not torch.cuda.is_available(): raise CLIError("--device cuda, but PyTorch sees no CUDA GPU here.")
+    seen = dict(mps=lambda: torch.backends.mps.is_available(), xpu=lambda: torch.xpu.is_available()).get(device, lambda: True)
+    if not seen(): raise CLIError(f"--device {device}, but PyTorch sees no {device} device here.")
     return device
 
 def _fp32_math(v:str):
@@ -176,7 +180,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
     return learn
 
 @call_parse
-def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
+def doctor_cmd(device:str=None, # cpu, cuda, mps or xpu (default: the device fastai trains on: CUDA, else MPS on a Mac, else the CPU)
                no_bench:bool=False, # the report only, without the micro-benchmark
                channels:int=None, # micro-benchmark: channels of the conv layer (default: 32 on a CPU, 256 on a GPU)
                size:int=None, # micro-benchmark: input height and width (default: 32 on a CPU, 56 on a GPU)
@@ -185,7 +189,7 @@ def doctor_cmd(device:str=None, # cpu or cuda (default: cuda when available)
     from fastai_fp16.tools.doctor import doctor
     bad = [f"--{k} {v}" for k,v,lo in (('channels', channels, 1), ('size', size, 3)) if v is not None and v < lo]
     if bad: raise CLIError(f"--channels must be >= 1 and --size >= 3, got {' and '.join(bad)}.")
-    return doctor(_device(device), not no_bench, channels=channels, size=size)
+    return doctor(None if device is None else _device(device, ('cuda', 'mps', 'xpu')), not no_bench, channels=channels, size=size)
 
 # %% ../../nbs/tools/25_cli.ipynb #a681ba96
 # a command's function, or where it lives ('module:function') when that module imports torch: `--help` reads it

@@ -91,20 +91,21 @@ def _layouts(report:PrecisionReport, ms:dict|None)->list:
                    "pass learn.to_half('auto', channels_last=False).")
     return out
 
-def doctor(device=None, # default: 'cuda' if available, else 'cpu'
-           bench:bool=True, # run the micro-benchmark
+def doctor(device=None, # default: the device fastai trains on (`fastai_device()`: CUDA, else MPS on a Mac, else the CPU)
+           bench:bool=True, # run the micro-benchmark (on a CPU, CUDA, MPS or XPU)
            **kwargs # more `layer_bench` arguments
           )->dict: # the report, and the timings if measured
-    "Print what this machine offers for half precision, measured in both memory formats, and the `to_half` call to use"
-    device = torch.device(device if device is not None else 'cuda' if torch.cuda.is_available() else 'cpu')
+    "Print what the device fastai trains on offers for half precision (the CPU beside it), measured in both memory formats, and the `to_half` call to use"
+    device = torch.device(device) if device is not None else fastai_device()
     rep = precision_report(device)
     cuda = [f"{i}: {torch.cuda.get_device_name(i)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
             for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; CUDA devices: {'; '.join(cuda) or 'none'}")
-    if device.type == 'cuda': print(f"CPU: {detect('cpu').name} ({detect('cpu').cpu_class})")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; CUDA devices: {'; '.join(cuda) or 'none'}; "
+          f"fastai trains on: {fastai_device()}")
     print(rep.describe(call=False))
     res, ms = dict(report=rep), None
-    if bench:
+    if bench and device.type not in _shapes: print(f"\n(no micro-benchmark on {device.type}: `fastai-fp16 bench --device {device.type}` times a fit there)")
+    elif bench:
         c, s, b = bench_shape(device.type, *(kwargs.pop(k, None) for k in ('channels', 'size', 'bs'))).values()
         ms = res['ms'] = layer_bench(c, s, b, device=device, **kwargs)
         ref = ms['fp32'].get('NCHW') or next(iter(ms['fp32'].values()))
