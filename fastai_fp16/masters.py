@@ -97,7 +97,7 @@ def check_lean_opt(opt, # an optimizer (a fit's, one made mid-fit, or what an `o
 
 # %% ../nbs/09b_masters.ipynb #3c58b38f
 class LeanMasters:
-    "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value in the optimizer's state; the optimizer steps fp32 values, a chunk at a time"
+    "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value kept beside it; the optimizer steps fp32 values, a chunk at a time"
     chunk = None  # elements widened to fp32 at once; None: a 64th of the lean params (at least 2**18), a big param in slices where it can
     def __init__(self,
         mode:str, # 'split', 'kahan' or 'stochastic' (see `masters_modes`)
