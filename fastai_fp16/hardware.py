@@ -201,9 +201,9 @@ def _fp32_math_arg(fp32_math):
     return fp32_math
 
 # what fp32 math holds at a training batch's peak (tools/27_bench_live, an AVX2 EPYC): half activations, and each
-# weight's bf16 cast until its layer's backward
-_f32_memory = ("; live memory: half activations, plus each weight's bf16 copy until its backward (resnet18 measured 1.09x "
-               "fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)")
+# weight's half cast until its layer's backward (`{n}`: the plan's dtype, whose cast it is)
+_f32_memory = ("; live memory: half activations, plus each weight's {n} copy until its backward (resnet18 in bf16 measured "
+               "1.09x fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)")
 
 def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
                    dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16'); names in any case
@@ -226,7 +226,7 @@ def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
     f32 = (not fast and rule is not None and rule.math == 'fp32') if fp32_math == 'auto' else fp32_math
     warn, reason = None, why
     if rule is None: warn = None if f32 else f"{n} on {dev}: {_no_rule(dev)}; it trains in {n}, torch's own kernels."
-    elif not fast and f32: reason = f"convolutions and linear layers compute in fp32, as native {n} is slow here: {why}" + (_f32_memory if dev == 'cpu' else '')
+    elif not fast and f32: reason = f"convolutions and linear layers compute in fp32, as native {n} is slow here: {why}" + (_f32_memory.format(n=n) if dev == 'cpu' else '')
     elif not fast:
         # `to_float()` first: the warning comes from a fit, and `to_half` refuses a Learner that has it
         fix = (f"`learn.to_float().to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_float().to_half('auto')`" if rule.math == 'fp32'
