@@ -142,14 +142,15 @@ def _scaler_for(dtype:torch.dtype, **kw)->LossScaler:
     return s
 
 class _Search:
-    "Which of a fit's overflow skips are a dynamic scale's normal search: all before the fit's first clean step; after it, one back-off per `growth_interval` clean steps"
-    def __init__(self): self.start, self.allow = True, False
-    def normal(self, s:LossScaler)->bool: return s.dynamic and (self.start or self.allow)
+    "Which of a fit's overflow skips are a dynamic scale's normal search: all until the scale first grows in the fit; after each growth, one back-off"
+    def __init__(self): self.grown, self.allow = False, True
+    def normal(self, s:LossScaler)->bool: return s.dynamic and (not self.grown or self.allow)
     def moved(self, s:LossScaler, old:float, clean:bool):
         "`s` updated from scale `old` after a clean step (`clean`) or a skipped one"
-        if clean:  # the first clean step, and each `growth_interval` of them (a growth: the tracker starts again), allow a back-off
-            if self.start or s.growth_tracker == 0: self.start, self.allow = False, True
-        elif s.scale < old and not self.start: self.allow = False  # that back-off: the next overflow skips are news
+        # before a growth the scale is still finding its level from above (at most log2(scale/min_scale) back-offs, then
+        # `LossScaleError`); a growth (`growth_interval` clean steps: the tracker starts again, also at `max_scale`) probes above it
+        if clean and s.growth_tracker == 0: self.grown = self.allow = True
+        elif s.scale < old and self.grown: self.allow = False  # the probe's back-off: a second before the next growth is news
 
 def _count_skip(mp, # the `MixedPrecision` whose step was skipped
                 bad_loss:bool): # skipped for a non-finite loss (else a grad overflow)

@@ -3,6 +3,7 @@ import contextlib, io, warnings, torch, torch.nn as nn, pytest
 from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai_fp16.all import *
+from fastai_fp16.report import scale_text
 from helpers import *
 
 class BadBatches(Callback):
@@ -52,18 +53,26 @@ class InfGrad(Callback):
     def after_backward(self):
         if self.training and (self.epoch, self.iter) in self.at: self.model[0].weight.grad[0, 0] = float('inf')
 
-def test_overflow_beyond_the_search_is_said_with_every_count():
-    "After the first clean step one back-off per `growth_interval` clean steps is the search; a second within them is news"
+def test_overflow_before_the_first_growth_is_the_search():
+    "A back-off after clean steps, before the scale has grown (gradients that vary from batch to batch): still the search, quiet"
     logs = []
     learn, ws = fit('fp16', [InfGrad({(0, 2), (0, 4)})], logs=logs, epochs=1, init_scale=2.**10)
     mp = learn.mixed_precision
-    assert (mp.skipped, mp.skipped_overflow, mp.skipped_search, mp.skipped_bad_loss) == (2, 2, 1, 0) and mp.loss_scale == 2.**8
+    assert (mp.skipped, mp.skipped_overflow, mp.skipped_search, mp.skipped_bad_loss) == (2, 2, 2, 0) and mp.loss_scale == 2.**8
+    assert not any('skipped' in str(l) for l in logs), logs
+
+def test_overflow_beyond_the_search_is_said_with_every_count():
+    "After a growth one back-off is the search (the probe above the level); a second before the next growth is news"
+    logs = []
+    learn, ws = fit('fp16', [InfGrad({(0, 2), (0, 4)})], logs=logs, epochs=1, init_scale=2.**10, growth_interval=2)
+    mp = learn.mixed_precision  # steps 0-1 clean: a growth to 2**11; 2 backs off (the probe), 4 again before the next growth
+    assert (mp.skipped, mp.skipped_overflow, mp.skipped_search, mp.skipped_bad_loss) == (2, 2, 1, 0)
     assert [l for l in logs if 'skipped' in str(l)] == ["fastai_fp16: 2 optimizer steps skipped: 1 on gradient overflow beyond the "
-        "loss scale's normal search (scale now 256), 1 while the loss scale searched, as fp16 does."]
+        f"loss scale's normal search (scale now {scale_text(mp.loss_scale)}), 1 while the loss scale searched, as fp16 does."]
     logs = []
     learn, ws = fit('fp16', [InfGrad({(0, 2), (0, 5)})], logs=logs, epochs=1, init_scale=2.**10, growth_interval=2)
     mp = learn.mixed_precision  # a growth (2 clean steps) between them: each back-off answers one, the search
-    assert (mp.skipped, mp.skipped_search) == (2, 2) and not any('skipped' in str(l) for l in logs), (mp.scales, logs)
+    assert (mp.skipped, mp.skipped_search) == (2, 2) and not any('skipped' in str(l) for l in logs), logs
 
 def test_a_plain_fp16_fit_prints_what_fp32_prints():
     "Default settings, the loss scale searching from 2**16 down to what the gradients take: the output is fp32's, line for line"
