@@ -14,7 +14,7 @@ from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.optimizer import Adam, SGD
 from fastai.torch_core import set_seed
-from .ladder import RECIPES, small_cnn
+from .ladder import RECIPES, small_cnn, cudnn_state
 from ..monitor import PrecisionMonitor
 from ..scaler import LossScaleError
 import fastai_fp16.learner  # patches Learner.to_half
@@ -52,7 +52,7 @@ def train(model:nn.Module, dls:DataLoaders,
           cbs:list=(), # callbacks for this fit only (to measure it)
           seed:int=0)->tuple: # (learner, loss of each step, error)
     "Fit `model` in precision `setup` from `seed`; a collapsed loss scale is a result (`error`), not a crash"
-    set_seed(seed, reproducible=True)
+    set_seed(seed)  # cuDNN's flags set for the fit only (`cudnn_state`): `reproducible=True` leaves them set for the process
     for dl in dls.loaders: dl.rng = random.Random(seed)
     learn = Learner(dls, model, loss_func=loss, opt_func=opt, lr=lr)
     # on a CPU, fp16 runs as on a GPU (half storage, fp32 accumulation): `to_half`'s default `fp32_math='auto'`
@@ -62,7 +62,7 @@ def train(model:nn.Module, dls:DataLoaders,
     learn.remove_cbs([cb for cb in learn.cbs if getattr(cb, '_fp16_auto', False)])
     losses, err = _Losses(), ''
     import fastai.callback.progress  # `learn.no_bar`: imported at the run, not with the package (it joins fastai's default callbacks)
-    with learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging():
+    with cudnn_state(True), learn.added_cbs([losses, *cbs]), learn.no_bar(), learn.no_logging():
         try: learn.fit(epochs)
         except LossScaleError: err = 'LossScaleError'
     return learn, losses.raw, err
