@@ -105,7 +105,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 fp32_math:str='auto', # convs and linear layers of half models in fp32 math: auto (where the dtype is slow here), on, off
                 deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
-    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots (with the defaults, about 11 minutes on a 2-core CPU shared with other work)"
+    "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots (with the defaults, about 2 minutes on a 2-core CPU without fast bf16 kernels, up to 11 where other work shares it)"
     import torch, pandas as pd
     from fastai_fp16.study.ladder import compare
     device = _device(device)
