@@ -11,9 +11,9 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.prune import BasePruningMethod
-from .op_policy import enter_autocast, exit_autocast, widening, regions, _activate
+from .op_policy import enter_autocast, exit_autocast
 from .half_ops import HalfOps, KeptFp32
-from .lean_in_flight import LeanInFlight
+from .fp32_kernels import registry, fp32_math_for
 from .report import warn_user
 
 # %% auto #0
@@ -43,14 +43,17 @@ def _compiled(model:nn.Module)->bool:
     return any(getattr(m, '_orig_mod', None) is not None or getattr(m, '_compiled_call_impl', None) is not None for m in model.modules())
 
 class _Casts:
-    "A fit's model in flight: under torch.autocast's policy for device type `ops`, or `HalfOps` where that cannot run the plan; nothing registered in the model"
+    "A fit's model in flight: under torch.autocast's policy for device type `ops` (the ops it lowers in fp32 math where the plan says), or `HalfOps` (`autocast=False`); nothing registered in the model"
     def __init__(self, dt, pick, fp32_math:bool, at_rest:list|None=None, ops:str|None=None):
         self.dt, self.pick, self.ops = dt, pick, ops  # pick(model): (params, buffers, fp32 modules) converted, as (dict, name, tensor)
-        self.model, self.up, self.dirty, self.lazy, self.fp32 = None, False, True, False, False
-        self.undo, self.born, self.pre, self.regions = [], [], [], []  # regions: autocast regions' states (`op_policy`)
-        self.lean, self.kept = LeanInFlight(), KeptFp32(ops)  # a lean fit's params' fp32 values; the modules kept fp32
-        # autocast casts for the ops it lowers; op by op where it cannot: fp32 math, every op in `dt`, no autocast here
-        self.half_ops = self.ho = HalfOps(dt, fp32_math, ops) if fp32_math or ops is None else None
+        self.model, self.up, self.dirty, self.lazy = None, False, True, False
+        self.undo, self.born, self.pre = [], [], []
+        self.kept = KeptFp32(ops)  # the modules kept fp32
+        # autocast decides what each op computes in; with fp32 math, what it lowers to `dt` runs our fp32-math kernels, in
+        # this thread only (`fp32_kernels`); without autocast (`autocast=False`) every op in `dt`, one by one
+        self.half_ops = self.ho = HalfOps(dt, fp32_math) if ops is None else None
+        self.math = self.fp32_math = dt if fp32_math and ops is not None else None
+        if self.math is not None: registry.on(ops)
         self.hooks = [h(self._registered) for h in _reg_hooks]
         self.ts = self.f32 = None
         if at_rest is not None:  # `master_weights=False`: the model is half for the whole fit (the study's rungs without masters)
@@ -65,17 +68,18 @@ class _Casts:
         "What `model` converts and keeps fp32, as it is now"
         ps, bs, mods = self.pick(model)
         if self.ops is None: _no_script(model, mods)
-        self.ho = self.half_ops
+        self.ho, self.math = self.half_ops, self.fp32_math
         if self.ho is not None and _compiled(model):  # dynamo traces autocast, not a mode of ours (it breaks its graphs)
-            if self.ops is None: raise ValueError("fastai_fp16: a compiled model (`torch.compile`) computes in half here only under "
+            raise ValueError("fastai_fp16: a compiled model (`torch.compile`) computes in half here only under "
                 "torch.autocast, which dynamo traces: use autocast=True (the default), or compile the model after the fit.")
-            self.ho = None
+        if self.math is not None and _compiled(model):  # dynamo traces the ops, not our kernels below autocast
+            self.math = None
             warn_user("fastai_fp16: a compiled model computes under torch.autocast alone: the fp32 math this plan runs its "
                       "convolutions and linear layers in is not traced by dynamo, so they run the device's half kernels (slow on "
                       "a CPU without fast half kernels). Compile the model after the fit, or train it in fp32 (`to_half('auto')`).")
-        self.lean.find(model)  # `masters='split'`...: bf16 params, which the forward uses as they are
-        # the model's tensors in half, op by op: those converted, those half for the fit (`at_rest`), lean params
-        if self.ho is not None: self.ho.find([t for _,_,t in ps + bs] + (self.ts or []) + [p for _,_,p in self.lean.ents])
+        # the model's tensors in half, op by op: those converted, those half for the fit (`at_rest`), lean params (bf16 already)
+        lean = [p for m in model.modules() for p in m._parameters.values() if p is not None and hasattr(type(p), '_fp16_base')]
+        if self.ho is not None: self.ho.find([t for _,_,t in ps + bs] + (self.ts or []) + lean)
         inner = {id(s) for m in mods for s in m.modules()}
         # no autocast: an RNN module refuses half inputs to its fp32 weights in its own code, before its op takes them half
         rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase) and id(m) not in inner] if self.ops is None else []
@@ -94,18 +98,18 @@ class _Casts:
 
     def reopen(self):
         "For the backward: what a checkpointed block's recomputation needs (its autocast state is the forward's: checkpointing sets it)"
-        if not self.up and (self.ho is not None or self.kept.hs or self.lean.ents or self.script): self._put(backward=True)
+        if not self.up and (self.ho is not None or self.kept.hs or self.math is not None or self.script): self._put(backward=True)
 
     def _put(self, backward:bool):
         self.up, self.born, u = True, [], self.undo
         if self.ops and not backward:
             prev = enter_autocast(self.ops, self.dt); u.append(lambda: exit_autocast(self.ops, prev))
-        u.append(_activate(self))  # the thread's window: autocast regions and widening ops find it
+        if self.math is not None:  # forward and backward (a checkpointed block's recomputation): fp32 math in this thread
+            m = fp32_math_for(self.math, backward); m.__enter__(); u.append(lambda: m.__exit__(None, None, None))
         if self.script:  # TorchScript's own autocast pass casts to the device's default half dtype: eager autocast reaches its ops
             old = torch._C._jit_set_autocast_mode(False); u.append(lambda: torch._C._jit_set_autocast_mode(old))
-        if self.lean.ents: u += [widening(), regions()]  # lean params' fp32 values where the model computes in fp32
-        if self.ho is not None and backward: u += [h.remove for h in self.ho.recomputing()]
-        elif self.ho is not None: self.ho.__enter__(); u.append(self.ho.leave)
+        if self.ho is not None and backward: u += [h.remove for h in self.ho.recomputing()]  # a checkpointed block's recomputation
+        elif self.ho is not None: self.ho.enter(); u.append(self.ho.leave)
         self.kept.on = True
 
     def close(self):
@@ -113,27 +117,13 @@ class _Casts:
         if not self.up: return
         self.up, self.kept.on = False, False
         for f in reversed(self.undo): f()
-        self.undo, self.regions, self.fp32 = [], [], False
-        self.lean.unstand()  # a forward that raised in an fp32 region
+        self.undo = []
         if self.born: self._land_born()
         with torch.no_grad():
             for m,h in self.pre: _recompute(m, h)  # `weight_norm`'s, `spectral_norm`'s, `prune`'s weight attribute, from the fp32 params
         if self.lazy: self.dirty = True  # its params materialized in flight: converted from the next batch
 
 # %% ../nbs/01b_casts.ipynb #c1b0a008
-@patch
-def swap(self:_Casts, fp32:bool):
-    "Lean params as their fp32 values (`fp32`: an autocast-off region), or the params back"
-    if fp32 == self.fp32 or not self.up: return
-    self.fp32 = fp32
-    if fp32: self.lean.stand()
-    else: self.lean.unstand()
-
-@patch
-def fp32_of(self:_Casts, t:torch.Tensor)->torch.Tensor|None:
-    "The exact fp32 value of lean param `t`, its grad flowing into `t`; None if `t` is not one"
-    return self.lean.fp32(t)
-
 @patch
 def _land_born(self:_Casts):
     "Buffers first registered in flight (a cache the forward made): fp32 at rest"
@@ -157,4 +147,5 @@ def remove(self:_Casts):
     self.close(); self.restore()
     for h in self.hooks: h.remove()
     self.kept.remove()
+    if self.fp32_math is not None: registry.off(self.ops); self.fp32_math = self.math = None
     self.hooks = []

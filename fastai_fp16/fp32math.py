@@ -14,48 +14,61 @@ __all__ = ['ConvFp32', 'LinearFp32', 'conv_fp32', 'linear_fp32', 'patch_fp32_mat
 
 # %% ../nbs/05_fp32math.ipynb #d2566f3c
 _half = (torch.float16, torch.bfloat16)
-def _to(t:Tensor|None, dtype)->Tensor|None: return None if t is None else t.to(dtype)
+
+_plain = torch._C.DisableTorchFunctionSubclass  # tensor subclasses (a lean param's class) as plain tensors inside
+
+def _as(t:Tensor|None, h)->Tensor|None:
+    "`t` as fp32 math takes it: a half tensor widened; an fp32 one (a param) rounded to half `h` first, as a cast to `h` would"
+    if t is None: return None
+    return t.float() if t.dtype in _half else t.to(h).float()
+
+def _grad(g:Tensor|None, t:Tensor|None, h)->Tensor|None:
+    "The grad of `t`: in `t`'s dtype; for an fp32 `t` (a param taken as it is) rounded to half `h` first, as a cast's backward gives it"
+    if g is None or t is None: return None
+    return g.to(t.dtype) if t.dtype in _half else g.to(h).to(t.dtype)
 
 class ConvFp32(torch.autograd.Function):
-    "A convolution of half tensors computed in fp32 (forward and backward), output and grads rounded to half"
+    "A convolution of half tensors computed in fp32 (forward and backward), output and grads rounded to half; an fp32 weight or bias (a param) is taken as it is and rounded to half inside, so no half copy of it is kept for the backward"
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-        ctx.conf, ctx.b_dtype = (stride, padding, dilation, transposed, output_padding, groups), None if b is None else b.dtype
-        ctx.save_for_backward(x, w)  # the half tensors: what a GPU keeps
-        with autocast_off(x.device.type):  # fp32 math under the window's autocast too (it would lower the convolution)
-            out = torch.ops.aten.convolution(x.float(), w.float(), _to(b, torch.float32), *ctx.conf)
-        return out.to(w.dtype)
+        ctx.conf, ctx.h = (stride, padding, dilation, transposed, output_padding, groups), x.dtype
+        ctx.save_for_backward(x, w, b)  # the half input and the weight as given: what a GPU keeps
+        with autocast_off(x.device.type), _plain():  # fp32 math under the window's autocast too (it would lower the convolution)
+            out = torch.ops.aten.convolution(x.float(), _as(w, x.dtype), _as(b, x.dtype), *ctx.conf)
+        return out.to(x.dtype)
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        need, back = ctx.needs_input_grad, torch.ops.aten.convolution_backward
+        x, w, b = ctx.saved_tensors
+        need, back, h = ctx.needs_input_grad, torch.ops.aten.convolution_backward, ctx.h
         gx = gw = gb = None
-        with autocast_off(g.device.type):  # a backward inside `in_flight()` runs under autocast
+        # autocast off: a backward inside `in_flight()` runs under autocast; subclasses plain: a lean param's class would
+        # read its fp32 master where this reads the bf16 value the forward computed with
+        with autocast_off(g.device.type), _plain():
             g, x32 = g.float(), x.float()
             # the input's grad first, with the weight's fp32 copy, which goes before the weight's grad is made: that one
             # reads only the weight's sizes (it takes the half weight on a CPU), and its buffers are the backward's peak
-            if need[0]: gx = back(g, x32, w.float(), None, *ctx.conf, [True, False, False])[0].to(x.dtype)
-            if need[1] or (ctx.b_dtype is not None and need[2]):
-                bias = ctx.b_dtype is not None and need[2]
-                _, gw, gb = back(g, x32, w if g.device.type == 'cpu' else w.float(), [g.shape[1]] if bias else None, *ctx.conf, [False, need[1], bias])
-        return (gx, _to(gw, w.dtype), _to(gb, ctx.b_dtype)) + (None,)*6
+            if need[0]: gx = back(g, x32, _as(w, h), None, *ctx.conf, [True, False, False])[0].to(x.dtype)
+            if need[1] or (b is not None and need[2]):
+                bias = b is not None and need[2]
+                wb = w if g.device.type == 'cpu' else _as(w, h)
+                _, gw, gb = back(g, x32, wb, [g.shape[1]] if bias else None, *ctx.conf, [False, need[1], bias])
+        return (gx, _grad(gw, w, h), _grad(gb, b, h)) + (None,)*6
 
 class LinearFp32(torch.autograd.Function):
-    "`F.linear` of half tensors computed in fp32 (forward and backward), output and grads rounded to half"
+    "`F.linear` of half tensors computed in fp32 (forward and backward), output and grads rounded to half; an fp32 weight or bias (a param) is rounded to half inside, as in `ConvFp32`"
     @staticmethod
     def forward(ctx, x, w, b):
-        ctx.b_dtype = None if b is None else b.dtype
-        ctx.save_for_backward(x, w)
-        with autocast_off(x.device.type): return F.linear(x.float(), w.float(), _to(b, torch.float32)).to(w.dtype)
+        ctx.save_for_backward(x, w, b)
+        with autocast_off(x.device.type), _plain(): return F.linear(x.float(), _as(w, x.dtype), _as(b, x.dtype)).to(x.dtype)
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        need, g = ctx.needs_input_grad, g.float()
+        x, w, b = ctx.saved_tensors
+        need, g, h = ctx.needs_input_grad, g.float(), x.dtype
         g2 = g.reshape(-1, g.shape[-1])
-        with autocast_off(g.device.type):
-            gx = (g @ w.float()).to(x.dtype) if need[0] else None
-            gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(w.dtype) if need[1] else None
-        gb = g2.sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and need[2] else None
+        with autocast_off(g.device.type), _plain():  # as in `ConvFp32.backward`
+            gx = (g @ _as(w, h)).to(x.dtype) if need[0] else None
+            gw = _grad(g2.t() @ x.float().reshape(-1, x.shape[-1]), w, h) if need[1] else None
+            gb = _grad(g2.sum(0), b, h) if b is not None and need[2] else None
         return gx, gw, gb
 
 # %% ../nbs/05_fp32math.ipynb #e093cfa7
@@ -70,23 +83,26 @@ def _str_padding(x, padding:str, w, dilation)->tuple:
 
 def _tup(v, nd:int)->tuple: return tuple(v) if isinstance(v, (tuple, list)) else (v,)*nd
 
-def conv_fp32(x:Tensor, w:Tensor, b:Tensor|None=None, # input, half weight, bias
+def conv_fp32(x:Tensor, w:Tensor, b:Tensor|None=None, # input, half weight (or fp32 param, with `dt`), bias
               stride=1, padding=0, dilation=1, groups:int=1, # as `F.conv2d`'s (`padding` may be 'same' or 'valid')
               transposed:bool=False, output_padding=0, # `F.conv_transpose2d`'s
+              dt:torch.dtype|None=None, # the half dtype computed in (default: `w`'s): an fp32 `w` and `b` are rounded to it inside
              )->Tensor:
-    "A 1-3d convolution (transposed too) of half `w` computed in fp32 math, `x` taken in `w`'s dtype: `ConvFp32` with the functional API's arguments"
+    "A 1-3d convolution (transposed too) of half `w` computed in fp32 math, `x` taken in `w`'s dtype (or `dt`): `ConvFp32` with the functional API's arguments"
     nd = w.dim() - 2
     stride, dilation = _tup(stride, nd), _tup(dilation, nd)
-    x = x.to(w.dtype)
+    x = x.to(dt or w.dtype)
     if isinstance(padding, str): x, padding = _str_padding(x, padding, w, dilation)
     unbatched = x.dim() == nd + 1
     out = ConvFp32.apply(x.unsqueeze(0) if unbatched else x, w, b, stride, _tup(padding, nd), dilation, transposed,
                          _tup(output_padding, nd), groups)
     return out.squeeze(0) if unbatched else out
 
-def linear_fp32(x:Tensor, w:Tensor, b:Tensor|None=None)->Tensor:
-    "`F.linear` of half `w` computed in fp32 math, `x` taken in `w`'s dtype"
-    return LinearFp32.apply(x.to(w.dtype), w, b)
+def linear_fp32(x:Tensor, w:Tensor, b:Tensor|None=None, # input, half weight (or fp32 param, with `dt`), bias
+                dt:torch.dtype|None=None, # the half dtype computed in (default: `w`'s): an fp32 `w` and `b` are rounded to it inside
+               )->Tensor:
+    "`F.linear` of half `w` computed in fp32 math, `x` taken in `w`'s dtype (or `dt`)"
+    return LinearFp32.apply(x.to(dt or w.dtype), w, b)
 
 def _conv_fp32_forward(m, x, w, b):
     "`m._conv_forward` in fp32 math when `w` is half"

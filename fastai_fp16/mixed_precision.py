@@ -22,8 +22,7 @@ from .half_model import *
 from .half_model import _check_setup, _checked, _raise_pending, _model_device
 from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
-from .window import _gan, _compress, _AtRest  # and fastai's backward in the window (`Learner._backward`)
-from .lean_in_flight import LeanInFlight
+from .window import _gan, _compress, _AtRest, _InLoss  # and fastai's backward in the window (`Learner._backward`)
 from .masters import LeanMasters, check_masters, _lean_for, _step_lean
 
 # %% auto #0
@@ -124,10 +123,8 @@ class MixedPrecision(Callback):
         self._depth = 1
         if _in_fit(self.learn): self._for_dtype(r.dt)  # fp32 too (`to_half('auto')` where fp32 is fastest): a static scale of 1
         if r.off: return  # no window, no casts: a plain fp32 fit, its steps checked all the same (`_setup`); fp16 inference on CPU
-        gan = _gan(self.learn)
-        r.gan = gan is not None  # its loss calls its models: the window stays open until the loss is computed
+        r.gan = _InLoss(self) if _gan(self.learn) is not None else ()  # its loss calls its models: those calls in half
         if self.masters != 'fp32' and _in_fit(self.learn): r.lean = _lean_for(self, r)  # params bf16 at rest, before DDP wraps them
-        if r.lean and r.mth._run is not None: r.mth._run.lean = LeanInFlight(r.lean)  # exact fp32 values for what computes in fp32
 
     def _fly(self):
         "The window opens: the model computes in half (autocast, or its ops cast one by one)"
@@ -204,18 +201,21 @@ class MixedPrecision(Callback):
     def after_pred(self):
         r = self._run
         if r is None or r.off: return
-        if not r.gan: self._land()  # the predictions made: the loss and the callbacks until the next batch see plain fp32
+        self._land()  # the predictions made: the loss and the callbacks until the next batch see plain fp32
+        if r.gan: r.gan.watch(_gan(self.learn)[0])  # a GAN's loss calls its models: those calls in half, the loss fp32
         if self.loss_fp32: self.learn.pred = cast_floats(self.pred, torch.float32)
     def after_loss(self):
         r = self._run
         if r is None or r.off: return
-        self._land(); self._yb_back()  # a GAN's loss computed
+        if r.gan: r.gan.stop()  # a GAN's loss computed
+        self._land(); self._yb_back()
         if isinstance(self.loss, torch.Tensor) and self.loss.dtype != torch.float32: self.learn.loss = self.loss.float()
     def after_cancel_batch(self): self._landed()
     def after_batch(self): self._landed()
     def _landed(self):
         r = self._run
         if r is None or r.off: return
+        if r.gan: r.gan.stop()
         self._land(); self._yb_back()  # a batch cancelled in its forward
     def _backward_starts(self):
         "fastai's backward starts (`Learner._backward`, as `window` wraps it): what a checkpointed block's recomputation needs"
@@ -301,6 +301,7 @@ class MixedPrecision(Callback):
         r = self._run
         if r is not None and not r.off:
             self._land()
+            if r.gan: r.gan.stop()
             if r.rest is not None: r.rest.stop()
             if getattr(r, 'fused', False) or r.lean: unuse_fused_adam(r.opt)
             if r.lean: r.lean.end()  # each param fp32 again, its exact value

@@ -4,11 +4,10 @@
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a003
 from __future__ import annotations
-import functools, inspect, threading
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch
 
 # %% auto #0
-__all__ = ['autocast_ok', 'enter_autocast', 'exit_autocast', 'autocast_off', 'regions', 'widening']
+__all__ = ['autocast_ok', 'enter_autocast', 'exit_autocast', 'autocast_off']
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a006
 def autocast_ok(device_type:str, # a device type: 'cuda', 'cpu', 'mps'...
@@ -28,8 +27,10 @@ def enter_autocast(device_type:str, # 'cuda', 'cpu'...
 def exit_autocast(device_type:str, # as given to `enter_autocast`
                   prev:tuple, # what `enter_autocast` returned
                  ):
-    "Back to the state `enter_autocast` replaced; the outermost exit frees autocast's cache of casts, as `torch.autocast.__exit__` does"
-    if torch.autocast_decrement_nesting() == 0: torch.clear_autocast_cache()
+    "Back to the state `enter_autocast` replaced; autocast's cache of casts freed, as `torch.autocast.__exit__` frees it at the outermost exit"
+    # at every exit, not only the outermost: a fit inside the user's own autocast would reuse the first batch's casts of the
+    # weights (autocast frees them when its nesting returns to 0), and the weights change at every step
+    torch.autocast_decrement_nesting(); torch.clear_autocast_cache()
     torch.set_autocast_enabled(device_type, prev[0]); torch.set_autocast_dtype(device_type, prev[1])
 
 # %% ../nbs/01c_op_policy.ipynb #c1c0a00b
@@ -44,102 +45,5 @@ class _Off:
 
 def autocast_off(device_type:str): # the device type of the tensors computed inside
     "A context with autocast off for `device_type` (fp32 math, modules kept fp32)"
-    # dynamo traces `torch.autocast` (and never calls our region wrapper there); eagerly, the cheaper switch above
+    # dynamo traces `torch.autocast`; eagerly, the cheaper switch above
     return torch.autocast(device_type, enabled=False) if torch.compiler.is_compiling() else _Off(device_type)
-
-# %% ../nbs/01c_op_policy.ipynb #c1c0a00e
-_AC = torch.amp.autocast_mode.autocast  # `torch.autocast`, and the base of `torch.cuda.amp.autocast`/`torch.cpu.amp.autocast`
-# the window up in this thread (a fit's), for autocast regions and ops that widen in flight; kept on the class, so that
-# this module's functions share it however often the module is loaded
-_tls = _AC.__dict__.get('_fp16_tls') or threading.local()
-_AC._fp16_tls = _tls
-
-def _window():
-    "The window up in this thread, or None"
-    return getattr(_tls, 'w', None)
-
-def _activate(w)->callable:
-    "Make `w` the window up in this thread (it has `ops`, `fp32`, `regions` and `swap(fp32)`); returns what puts the previous back"
-    prev = _window(); _tls.w = w
-    def restore(): _tls.w = prev
-    return restore
-
-def _region_enter(enter):
-    @functools.wraps(enter)
-    def __enter__(self):
-        w = _window()
-        dev = getattr(w, 'ops', None)
-        if dev is None or getattr(self, 'device', None) != dev: return enter(self)
-        was = torch.is_autocast_enabled(dev)
-        res = enter(self)
-        now = torch.is_autocast_enabled(dev)
-        self._fp16_w = w; w.regions.append(w.fp32)  # what its exit puts back
-        if was != now: w.swap(fp32=not now)  # autocast off: the lean params' fp32 values; on again: the params
-        return res
-    __enter__._fp16 = True
-    return __enter__
-
-def _region_exit(exit):
-    @functools.wraps(exit)
-    def __exit__(self, *exc):
-        res = exit(self, *exc)
-        w = self.__dict__.pop('_fp16_w', None)
-        if w is not None and w is _window() and w.regions: w.swap(fp32=w.regions.pop())
-        return res
-    __exit__._fp16 = True
-    return __exit__
-
-_own = lambda f: getattr(f, '__wrapped__', f) if getattr(f, '_fp16', False) else f  # torch's, whatever a reload left
-_AC.__enter__, _AC.__exit__ = _own(_AC.__enter__), _own(_AC.__exit__)
-_regions = [0]  # windows up that need it
-
-def regions()->callable:
-    "`torch.autocast` regions tell the thread's window while a window needs it (lean params in flight): returns what takes that off"
-    if not _regions[0]: _AC.__enter__, _AC.__exit__ = _region_enter(_AC.__enter__), _region_exit(_AC.__exit__)
-    _regions[0] += 1
-    def off():
-        _regions[0] -= 1
-        if not _regions[0]: _AC.__enter__, _AC.__exit__ = _own(_AC.__enter__), _own(_AC.__exit__)
-    return off
-
-# %% ../nbs/01c_op_policy.ipynb #c1c0a0a2
-# ops on none of autocast's lists that need one dtype for their data and the model's tensors: their data (position, name) and
-# the arguments that take the model's tensors
-_one_dtype = dict(embedding_bag=((8, 'per_sample_weights'), ('weight',)), layer_norm=((0, 'input'), ('weight', 'bias')),
-                  group_norm=((0, 'input'), ('weight', 'bias')), batch_norm=((0, 'input'), ('running_mean', 'running_var', 'weight', 'bias')),
-                  instance_norm=((0, 'input'), ('running_mean', 'running_var', 'weight', 'bias')))
-_wider = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64)}
-
-def _widening(f, data:tuple, model:tuple):
-    "`f` that takes the fp32 sources of the window's half tensors (`fp32_of`) when its `data` comes wider than them"
-    sig, (i, name) = inspect.signature(f), data
-    def wide(w, args, kwargs):
-        ba = sig.bind(*args, **kwargs)
-        for n in model:
-            t = ba.arguments.get(n)
-            if isinstance(t, torch.Tensor) and t.dtype == w.dt and (s := w.fp32_of(t)) is not None: ba.arguments[n] = s
-        return f(*ba.args, **ba.kwargs)
-    @functools.wraps(f)
-    def g(*args, **kwargs):
-        w = getattr(_tls, 'w', None)  # a call outside a fit's window costs this and no more
-        if w is not None and w.up and not w.fp32:
-            x = args[i] if len(args) > i else kwargs.get(name)
-            if x is not None and x.dtype in _wider.get(w.dt, ()): return wide(w, args, kwargs)
-        return f(*args, **kwargs)
-    g._fp16 = True
-    return g
-
-_ops = {n: getattr(F, n) for n in _one_dtype}  # torch's own, what `F` holds outside a window that widens
-_wide_ops = {n: _widening(f, *_one_dtype[n]) for n,f in _ops.items()}
-_widens = [0]  # windows up that put them on (a fit's, a GAN's second model...)
-
-def widening()->callable:
-    "`F`'s ops that need one dtype widened while a window is up (`nn.LayerNorm`... find them there at each call): returns what takes them off"
-    if not _widens[0]:
-        for n,g in _wide_ops.items(): setattr(F, n, g)
-    _widens[0] += 1
-    def off():
-        _widens[0] -= 1
-        if not _widens[0]:
-            for n,f in _ops.items(): setattr(F, n, f)
-    return off

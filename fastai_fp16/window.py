@@ -4,12 +4,12 @@
 
 # %% ../nbs/02a_window.ipynb #a7e1c003
 from __future__ import annotations
-import functools, sys
+import functools, sys, threading
 import torch
 from torch.nn.modules import module as _mod
 from torch.nn.parallel import DistributedDataParallel
 from fastai.learner import Learner
-from .core import unscale_grads_
+from .core import unscale_grads_, cast_floats
 
 # %% auto #0
 __all__ = []
@@ -21,6 +21,24 @@ def _gan(learn):
     m = getattr(learn.model, 'module', learn.model)  # inside DDP too
     if gan is None or not isinstance(m, gan.GANModule): return None
     return m, next((cb for cb in learn.cbs if isinstance(cb, gan.GANTrainer)), None)
+
+class _InLoss:
+    "A GAN's loss calls its models (the critic on the fakes...): each such call in flight, its output fp32; the loss's own ops at rest, fp32 as every loss of ours (CUDA's autocast refuses `binary_cross_entropy`)"
+    def __init__(self, mp): self.mp, self.hs, self.ids, self.me, self.flown = mp, [], (), None, None
+    def watch(self, gan):
+        "While the loss is computed: a call of `gan`'s generator or critic in the fit's thread flies the window (torch's global hooks: nothing in the model)"
+        self.ids, self.me = {id(gan.generator), id(gan.critic)}, threading.get_ident()
+        if not self.hs: self.hs = [_mod.register_module_forward_pre_hook(self._pre), _mod.register_module_forward_hook(self._post, always_call=True)]
+    def stop(self):
+        for h in self.hs: h.remove()
+        self.hs, self.ids, self.flown = [], (), None
+    def _pre(self, m, args):
+        if id(m) not in self.ids or self.flown is not None or threading.get_ident() != self.me or self.mp._run.mth.in_flight: return
+        self.flown = m; self.mp._fly()
+    def _post(self, m, args, out):
+        if m is not self.flown: return
+        self.flown = None; self.mp._land()
+        return cast_floats(out, torch.float32)
 
 def _compress(ddp:DistributedDataParallel, dt:torch.dtype):
     "DDP all-reduces its fp32 grad buckets in `dt`: as many bytes as half grads; a comm hook of the user's own wins"

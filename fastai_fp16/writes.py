@@ -8,6 +8,7 @@ import inspect, sys
 from functools import cache
 import torch, torch.nn as nn
 from .half_ops import written, tensors_in, is_inplace, inplace_dunders
+from .lean_in_flight import reads_as_master
 
 # %% auto #0
 __all__ = ['raw', 'Watched', 'lean_class', 'Writes']
@@ -136,6 +137,7 @@ def lean_class(cls:type)->type:
     ns = {n: _watching(n, getattr(cls, n)) for n in dir(cls) if (n in inplace_dunders or not n.startswith('_')) and is_inplace(n)}
     ns.update(data=property(lambda self: _alias(raw(self), self), lambda self, v: _TB.data.__set__(self, v)),
               detach=_detach, __deepcopy__=_deepcopy, __reduce_ex__=_reduce_ex, copy_=_copy, _fp16_base=cls,
+              __torch_function__=reads_as_master(_master, _before),  # an op reads its fp32 master's value where autocast would
               **{n: _fp32_new(n) for n in ('new_empty', 'new_zeros', 'new_ones', 'new_full', 'new_tensor')})
     return type(f'Lean{cls.__name__}', (cls,), ns)
 

@@ -111,8 +111,10 @@ def test_an_autocast_off_region_under_lean_masters_computes_with_the_fp32_values
     class Spy(Callback):
         order = 20  # after MixedPrecision's `before_fit`: the params are lean (bf16)
         def before_fit(self):
-            lean, p = self.learn.mixed_precision.lean, self.model.head.weight
-            self.h = self.model.head.register_forward_pre_hook(lambda m, a: seen.append((m.weight.dtype, torch.equal(m.weight, lean.master(p)))))
+            lean = self.learn.mixed_precision.lean
+            def spy(m, a, out):  # what the head computed is fp32 math on its params' exact fp32 values
+                with torch.no_grad(): seen.append((m.weight.dtype, out.dtype, torch.equal(out, F.linear(a[0], lean.master(m.weight), lean.master(m.bias)))))
+            self.h = self.model.head.register_forward_hook(spy)
         def after_fit(self): self.h.remove()
     ends = {}
     for how in ('fp32', masters):
@@ -121,7 +123,7 @@ def test_an_autocast_off_region_under_lean_masters_computes_with_the_fp32_values
         if how != 'fp32': learn.to_half('bf16', masters=masters)
         fit(learn, 2)
         ends[how] = learn.recorder.values[-1][1]
-    assert seen and set(seen) == {(torch.float32, True)}  # the exact fp32 values
+    assert seen and set(seen) == {(torch.bfloat16, torch.float32, True)}  # bf16 params, read as their exact fp32 values
     assert abs(ends[masters] / ends['fp32'] - 1) < .1, ends
     assert fp32_everywhere(learn)
 
