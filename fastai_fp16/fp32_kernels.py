@@ -37,28 +37,40 @@ class fp32_math_for:
             if not _bw[self.dt]: del _bw[self.dt]
 
 # %% ../nbs/01bc_fp32_kernels.ipynb #b1bc0007
+_T = object()  # where a tensor was among an op's arguments
+def _floating(t)->bool: return isinstance(t, torch.Tensor) and t.is_floating_point()
+
 class Fp32Op(torch.autograd.Function):
-    "`op` of half tensors in fp32 math, forward and backward (recomputed in fp32 for the grads): half tensors saved, half output and grads"
+    "`op` of half tensors in fp32 math, forward and backward (recomputed in fp32 for the grads): half tensors saved, half outputs (each floating one of a tuple) and grads"
     @staticmethod
     def forward(ctx, op, kw, *args):
         ts = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.op, ctx.kw, ctx.args = op, kw, [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.op, ctx.kw, ctx.args = op, kw, [_T if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*ts)
         dt = next(t.dtype for t in ts if t.is_floating_point())
-        with autocast_off(ts[0].device.type): return op(*[a.float() if isinstance(a, torch.Tensor) else a for a in args], **kw).to(dt)
+        with autocast_off(ts[0].device.type):
+            out = op(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args], **kw)
+        if isinstance(out, torch.Tensor): return out.to(dt)
+        out = tuple(o.to(dt) if _floating(o) else o for o in out)  # an RNN layer's outputs, states and workspace
+        ctx.mark_non_differentiable(*[o for o in out if isinstance(o, torch.Tensor) and not o.is_floating_point()])
+        return out
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, *gs):
         ts, need = ctx.saved_tensors, ctx.needs_input_grad[2:]
         it, xs, ins = iter(ts), [], []
-        with torch.enable_grad(), autocast_off(g.device.type), torch._C.DisableTorchFunctionSubclass():  # a lean param's bf16 value, as the forward
+        with torch.enable_grad(), autocast_off(gs[0].device.type), torch._C.DisableTorchFunctionSubclass():  # a lean param's bf16 value, as the forward
             for a,n in zip(ctx.args, need):
-                if a is not None: xs.append(a); continue
-                t = next(it); x = t.detach().float().requires_grad_(n); xs.append(x)
+                if a is not _T: xs.append(a); continue
+                t = next(it)
+                x = t.detach().float().requires_grad_(n) if t.is_floating_point() else t
+                xs.append(x)
                 if n: ins.append((len(xs)-1, t.dtype))
             out = ctx.op(*xs, **ctx.kw)
-            gs = torch.autograd.grad(out, [xs[i] for i,_ in ins], g.float()) if ins else []
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            pairs = [(o, g.float()) for o,g in zip(outs, gs) if g is not None and _floating(o) and o.requires_grad]
+            grads = torch.autograd.grad([o for o,_ in pairs], [xs[i] for i,_ in ins], [g for _,g in pairs], allow_unused=True) if ins and pairs else [None]*len(ins)
         res = [None]*len(xs)
-        for (i,dt),gr in zip(ins, gs): res[i] = gr.to(dt)
+        for (i,dt),gr in zip(ins, grads): res[i] = None if gr is None else gr.to(dt)
         return (None, None, *res)
 
 def _low(t, dt):
@@ -79,9 +91,10 @@ def _generic(op):
     def f(dt, *args, **kw): return Fp32Op.apply(op, kw, *[_low(a, dt) for a in args])
     return f
 
-# the ops autocast lowers that compute in fp32 math (aten name, overload): convolutions, linear layers, matmuls
+# the ops autocast lowers that compute in fp32 math: convolutions, linear layers, matmuls, a CPU's LSTM layer (oneDNN has no
+# fp16 LSTM on most CPUs: autocast's own fp16 fails there)
 fp32_math_ops = {**{f'conv{n}d': _conv for n in (1,2,3)}, **{f'conv_transpose{n}d': _conv_t for n in (1,2,3)}, 'linear': _linear,
-                 **{n: _generic(getattr(torch.ops.aten, n).default) for n in ('matmul', 'mm', 'bmm', 'addmm', 'baddbmm', 'addbmm')}}
+                 **{n: _generic(getattr(torch.ops.aten, n).default) for n in ('matmul', 'mm', 'bmm', 'addmm', 'baddbmm', 'addbmm', 'mkldnn_rnn_layer')}}
 
 def _overloads(name:str, key:str)->list:
     "`name`'s overloads that autocast lowers at dispatch key `key` (its own kernel there): only those are ours to run"

@@ -30,6 +30,14 @@ _views = set('''view view_as reshape reshape_as flatten unflatten unsqueeze sque
     expand_as narrow select __getitem__ unbind split split_with_sizes chunk tensor_split as_strided diagonal movedim moveaxis
     unfold contiguous T mT H mH'''.split())
 
+# moves that keep the dtype (`Module._apply`'s `p.to(device)`, accelerate's `prepare`): the param itself, as an fp32
+# master's `to` returns it, so that a move does not swap an fp32 value into the model
+_moves = {'to', 'cpu', 'cuda', 'contiguous'}
+
+def _keeps_dtype(args:tuple, kwargs:dict)->bool:
+    "Whether `to(*args, **kwargs)` names no dtype (a device, a memory format, `copy=`...)"
+    return not any(isinstance(a, (torch.dtype, torch.Tensor)) for a in (*args[1:], *kwargs.values()))
+
 def _name(func)->str:
     "`func`'s name; a property's reader is `__get__`, but a view's (`w.T`) is the view's name"
     n = getattr(func, '__name__', '')
@@ -77,7 +85,7 @@ def _reads(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     with _plain():
         n = _name(func)
-        if n in _as_is or every_op_half(): return func(*args, **kwargs)
+        if n in _as_is or every_op_half() or (n in _moves and _keeps_dtype(args, kwargs)): return func(*args, **kwargs)
         if n in _views and not torch.is_grad_enabled():  # an alias, so that a write through it lands
             return _viewed(func(*args, **kwargs), func, args, kwargs) if args and _lean(args[0]) else func(*args, **kwargs)
         lean = [t for t in tensors_in(args, kwargs) if _lean(t)]

@@ -3,7 +3,7 @@
 math) and, under lean masters, which tensor holds a param's value. Each test runs the same code under plain torch.autocast
 (or plain fp32) and under each plan: fp32 math in fp16 and bf16, `autocast=False` where it applies, split, kahan and
 stochastic. The plans are asked for explicitly (`fp32_math=True/False`), so that what runs is the same on every CPU class."""
-import copy, math, threading, warnings, torch, torch.nn as nn, torch.nn.functional as F, pytest
+import copy, math, threading, traceback, warnings, torch, torch.nn as nn, torch.nn.functional as F, pytest
 from torch.utils.checkpoint import checkpoint
 from fastai.learner import Learner
 from fastai.optimizer import SGD
@@ -144,7 +144,7 @@ def test_two_fits_in_two_threads(plan):
         try:
             torch.manual_seed(i)
             res[i] = fit(tiny_model(seed=i), plan, epochs=2)
-        except BaseException as e: errs.append(e)
+        except BaseException: errs.append(traceback.format_exc())
     ts = [threading.Thread(target=train, args=(i,)) for i in range(2)]
     for t in ts: t.start()
     for t in ts: t.join(300)
