@@ -4,7 +4,8 @@
 
 # %% ../nbs/04a_layout.ipynb #b7a10003
 from __future__ import annotations
-import sys, torch, torch.nn as nn
+import random, sys, numpy as np, torch, torch.nn as nn
+from torch.nn.parameter import is_lazy
 from fastai.callback.core import Callback
 from .device_rules import device_rule, rule_text
 from .hardware import Capabilities, PrecisionPlan, plan_precision, detect, _names
@@ -60,6 +61,25 @@ def plan_fit(caps:Capabilities, # the device (`detect`)
     return plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
 
 # %% ../nbs/04a_layout.ipynb #b7a1000d
+def _materialize(learn)->bool:
+    "Lazy layers (`nn.LazyLinear`...) made real by an fp32 forward of one batch, in eval mode, random states kept: their layout can then be set. False if some stay lazy"
+    m = learn.model
+    if not any(is_lazy(t) for t in (*m.parameters(), *m.buffers())): return True
+    for dl in (learn.dls.valid, learn.dls.train):  # the validation set's first batch: not shuffled, not augmented
+        was, rng = {s: s.training for s in m.modules()}, getattr(dl, 'rng', None)
+        kept = random.getstate(), np.random.get_state(), rng.getstate() if isinstance(rng, random.Random) else None
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():  # the init they draw leaves the fit's randomness as it was
+                b = dl.one_batch()
+                m.eval()(*b[:getattr(learn.dls, 'n_inp', 1)])  # eval: no BatchNorm statistics, no dropout
+            return True
+        except Exception: continue  # an empty or failing loader: the other one, else as they are
+        finally:
+            for s,t in was.items(): s.training = t
+            random.setstate(kept[0]); np.random.set_state(kept[1])
+            if kept[2] is not None: rng.setstate(kept[2])
+    return False
+
 class AutoChannelsLast(Callback):
     "The model channels_last at `before_fit`, as fastai's `ChannelsLast` makes it: where the fit's plan prefers it (a conv net on a device where NHWC is faster), or `always`"
     order = -1  # fastai's `ChannelsLast`'s: before the callbacks that change the model
@@ -67,6 +87,7 @@ class AutoChannelsLast(Callback):
     @property
     def _fp16_auto(self)->bool: return not self.always  # planned (`ModelToHalf` plans the layout), not asked
     def before_fit(self):
+        if not _materialize(self.learn): return  # lazy layers without a batch to make them: left as they are, NCHW
         if not self.always:
             mth = next((cb for cb in self.learn.cbs if getattr(cb, '_fp16_role', None) == 'model'), None)
             if mth is None: return  # no half precision to plan for: as NCHW
