@@ -57,8 +57,12 @@ def plan_fit(caps:Capabilities, # the device (`detect`)
              model:nn.Module|None=None, # the model (its `conv_kind`)
              channels_last:bool|None=None, # True/False as asked; None: where `prefers_channels_last` says so
             )->PrecisionPlan:
-    "The plan of a fit of `model`: `plan_kind` for its `conv_kind`"
-    return plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
+    "The plan of a fit of `model`: `plan_kind` for its `conv_kind`, its reason naming only the layers `model` has"
+    p = plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
+    if model is not None and 'convolutions and linear layers' in p.reason:  # what fp32 math computes: only what is there
+        has = [n for n,c in (('convolutions', nn.modules.conv._ConvNd), ('linear layers', nn.Linear)) if any(isinstance(m, c) for m in model.modules())]
+        p.reason = p.reason.replace('convolutions and linear layers', ' and '.join(has) or 'convolutions and linear layers (none here)')
+    return p
 
 # %% ../nbs/04a_layout.ipynb #b7a1000d
 def _materialize(learn)->bool:
