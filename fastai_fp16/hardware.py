@@ -195,24 +195,15 @@ class PrecisionPlan(_Record):
         fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({self.layout})"
         return f"to_half({self.requested!r}{settings}) on {self.device}: {self.kernels} ({self.reason}){fmt}"
     def __repr__(self): return self.describe()
-    @property
-    def why(self)->str:
-        "Why this dtype and math, in a few words and no figures"
-        n = _names[self.dtype]
-        if n == 'fp32': return self.reason.removeprefix('fp32: ').split(':')[0].split(' (')[0]
-        if self.fp32_math: return 'fp32 math as asked' if self.fast else f"native {n} is slow here"
-        return f"native {n} is slow here" if not self.fast else 'its speed not measured here' if 'not measured' in self.reason else 'fast here'
-    @property
-    def layout_why(self)->str:
-        "Why this memory format, in a few words and no figures"
-        l = self.layout
-        for k,w in (('measured faster', 'faster here'), ('measured slower', 'NHWC slower here'), ('NHWC not measured', 'NHWC not measured here')):
-            if k in l: return w
-        return l.split(':')[0]
     def line(self, settings:str='')->str: # more of the call's arguments, as ", masters='split'"
-        "What runs in a few words: the dtype and its math, the memory format; `describe` gives the reasons and figures"
-        fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({self.layout_why})"
-        return f"to_half({self.requested!r}{settings}) on {self.device}: {self.kernels} ({self.why}){fmt}"
+        "What runs in a few words, no figures: the dtype and its math, the memory format (`describe`: the reasons and figures)"
+        n, l = _names[self.dtype], self.layout
+        why = (self.reason.removeprefix('fp32: ').split(':')[0].split(' (')[0] if n == 'fp32' else f"native {n} is slow here" if not self.fast
+               else 'fp32 math as asked' if self.fp32_math else 'its speed not measured here' if 'not measured' in self.reason else 'fast here')
+        lw = next((w for k,w in (('measured faster', 'faster here'), ('measured slower', 'NHWC slower here'),
+                                 ('NHWC not measured', 'NHWC not measured here')) if k in l), l.split(':')[0])
+        fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({lw})"
+        return f"to_half({self.requested!r}{settings}) on {self.device}: {self.kernels} ({why}){fmt}"
 
 def _fp32_math_arg(fp32_math):
     if fp32_math not in ('auto', True, False):
@@ -220,8 +211,7 @@ def _fp32_math_arg(fp32_math):
     return fp32_math
 
 # what fp32 math holds at a training batch's peak (tools/27_bench_live, an AVX2 EPYC): half activations, and each
-# weight's half cast until its layer's backward (`{n}`: the plan's dtype, whose cast it is); measured in bf16 only, so
-# only a bf16 plan quotes the figures
+# weight's half cast until its layer's backward (`{n}`: the plan's dtype); the figures, bf16's, only in a bf16 plan
 _f32_memory = "; live memory: half activations, plus each weight's {n} copy until its backward"
 _f32_memory_bf16 = " (resnet18 measured 1.09x fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)"
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import random, textwrap, time, warnings, zlib
 from contextlib import contextmanager
 from functools import partial
-import numpy as np, pandas as pd
-from matplotlib.ticker import FixedLocator, NullLocator
+import numpy as np, pandas as pd, matplotlib.ticker as mticker
 import torch, torch.nn as nn, torch.nn.functional as F
 from fastai.callback.core import Callback
 from fastai.learner import Learner
@@ -220,7 +219,6 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     names = recipes.split(',') if isinstance(recipes, str) else list(recipes)
     bad = [n for n in names if n not in RECIPES]
     if bad: raise ValueError(f"Unknown recipe(s) {', '.join(bad)}: use any of {', '.join(RECIPES)}.")
-    if not (epochs >= 1 and bs >= 1 and lr > 0): raise ValueError(f"epochs and bs must be >= 1 and lr > 0, got epochs={epochs}, bs={bs}, lr={lr}.")
     if isinstance(arch, str):
         if arch not in archs: raise ValueError(f"Unknown arch {arch!r}: use any of {', '.join(archs)}.")
         arch = archs[arch]
@@ -289,14 +287,10 @@ def plot_losses(res:pd.DataFrame, # `compare`'s result
         daxs.append(ax)
     # small differences next to large ones (another optimizer, a diverged run): linear near 0, log beyond
     a = np.abs(np.concatenate([d[skip_start:] for d in ds.values()] or [[]])); a = a[np.isfinite(a) & (a > 0)]
-    if len(a):
-        lt = float(np.quantile(a, .5))
-        daxs[0].set_yscale('symlog', linthresh=lt, linscale=2)
-        # a small panel has room for five labels: 0, and each side's top decade and the one two below it (if clear of 0's)
-        k = int(np.floor(np.log10(a.max())))  # the top decade inside the data's range
-        side = [10.**k] + ([10.**(k-2)] if k - 2 > np.log10(lt) + .5 else [])
-        daxs[0].yaxis.set_major_locator(FixedLocator(sorted([-s for s in side] + [0.] + side)))
-        daxs[0].yaxis.set_minor_locator(NullLocator())
+    if len(a):  # a small panel has room for five labels: 0, each side's top decade and the one two below (if clear of 0's)
+        lt, k = float(np.quantile(a, .5)), int(np.floor(np.log10(a.max())))  # the top decade inside the data's range
+        side = [10.**k] + [10.**(k-2)] * int(k - 2 > np.log10(lt) + .5); daxs[0].set_yscale('symlog', linthresh=lt, linscale=2)
+        daxs[0].yaxis.set(major_locator=mticker.FixedLocator(sorted([-s for s in side] + [0.] + side)), minor_locator=mticker.NullLocator())
     lax = fig.add_subplot(gs[rows, :])
     for k,(nm,ls) in enumerate(losses.items()): _curve(lax, k, m, n, nm, range(skip_start, len(ls)), ls[skip_start:], nm + diverged(nm))
     lax.set(xlabel='step', ylabel='train loss (smoothed)', yscale='log' if log else 'linear')
