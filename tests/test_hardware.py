@@ -158,3 +158,15 @@ def test_the_plan_line_is_short_and_its_own(capsys):
     assert all(w in line[0] for w in ('fp16 storage, fp32 math', 'NCHW', 'masters: fp32')) and 'resnet18' not in line[0], line
     full = repr(learn.model_to_half.plan)  # on request: the reasons and figures
     assert 'linear layers compute in fp32' in full and 'convolutions and linear' not in full and 'resnet18' not in full, full
+
+def test_the_plan_line_starts_after_a_bar_that_is_not_the_fits():
+    "Issue 62.9: `get_preds` in a `progress_bar` loop of the user's (as `LMLearner.predict` runs it): the line starts a line of its own"
+    import io, contextlib, fastai.callback.progress
+    from fastprogress.fastprogress import progress_bar
+    ModelToHalf._said.clear()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16')
+    with assume_capabilities(cpu_caps('avx2')), contextlib.redirect_stdout(out := io.StringIO()):
+        for _ in progress_bar(range(2), leave=False):
+            with learn.no_bar(): learn.get_preds()
+    text = out.getvalue()
+    assert "]\nto_half('bf16') on cpu: " in text, repr(text)
