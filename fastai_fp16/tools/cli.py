@@ -141,7 +141,7 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                       bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
     note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
-            f"torch {torch.__version__}. epoch_s is an epoch's wall time (training and validation): it varies from run to run, most "
+            f"torch {torch.__version__}. epoch_s (s/epoch on the console) is an epoch's wall time (training and validation): it varies from run to run, most "
             "where other work shares the machine.")
     out = write_results(res, out, note)
     from fastai_fp16.hardware import detect
