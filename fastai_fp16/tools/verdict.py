@@ -73,7 +73,7 @@ def verdict(res:pd.DataFrame, # `compare`'s result
         if n not in res.index: txt = f"{head} ({n}, not run: add it to --recipes)."
         else:
             acc, speed, ok = _vs(res, n, tol)
-            txt = (f"{head}: accuracy {acc} vs fp32's {f32.accuracy:.3f}, {speed}" if acc else f"{head}: {n} diverged") + \
+            txt = (f"{head} ({n}): accuracy {acc} vs fp32's {f32.accuracy:.3f}, {speed}" if acc else f"{head} ({n}): diverged") + \
                   f": half {'matched' if ok else 'did not match'} fp32."
     else:  # 'auto' trains fp32: how the half rungs with fp32 masters did beside it
         vs = {h: _vs(res, h, tol) for h in ('bf16_master', 'fp16_master') if h in res.index}
