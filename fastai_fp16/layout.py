@@ -91,13 +91,13 @@ class AutoChannelsLast(Callback):
     @property
     def _fp16_auto(self)->bool: return not self.always  # planned (`ModelToHalf` plans the layout), not asked
     def before_fit(self):
-        if not _materialize(self.learn): return  # lazy layers without a batch to make them: left as they are, NCHW
         if not self.always:
             mth = next((cb for cb in self.learn.cbs if getattr(cb, '_fp16_role', None) == 'model'), None)
             if mth is None: return  # no half precision to plan for: as NCHW
             m = self.learn.model
             dev = next((t.device for t in m.parameters()), torch.device('cpu'))  # where TrainEvalCallback put it
             if not plan_fit(detect(dev), mth.dtype, mth.fp32_math, m).channels_last: return
+        if not _materialize(self.learn): return  # lazy layers (only where the layout changes) without a batch to make them: NCHW
         self.learn.model.to(memory_format=torch.channels_last)
 
 def layout_asked(learn)->bool|None:
