@@ -1,5 +1,5 @@
 from configparser import ConfigParser
-import setuptools, shlex
+import atexit, os, setuptools, shlex, shutil, sys
 
 # note: all settings are in settings.ini; edit there, not here
 config = ConfigParser(delimiters=['='])
@@ -33,12 +33,17 @@ package_data = dict()
 pkg_data = cfg.get('package_data', None)
 if pkg_data:
     package_data[cfg['lib_name']] =  pkg_data.split() # split as multiple files might be listed
+# a non-editable `pip install <clone>` (or `pip wheel`) builds in the clone: the build/ it makes goes once the wheel is built
+_build = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'build')
+if 'bdist_wheel' in sys.argv and not os.path.exists(_build): atexit.register(shutil.rmtree, _build, True)
+
 # Add package data to setup_cfg for setuptools.setup(..., **setup_cfg)
 setup_cfg['package_data'] = package_data
 
 setuptools.setup(
     name = cfg['lib_name'],
     license = lic[0],
+    license_files = ['LICENSE'],  # in the wheel's metadata; MANIFEST.in puts it in the sdist
     classifiers = [
         'Development Status :: ' + statuses[int(cfg['status'])],
         'Intended Audience :: ' + cfg['audience'].title(),

@@ -74,7 +74,7 @@ _cpu_slow = dict(bf16="a training step 8-30x slower than fp32", fp16="a training
 _fallback = lambda cls: ('slow', f"no AVX512-BF16 or AMX on this CPU ({cls})")
 # a whole step, NCHW against NHWC in alternating pairs (NCHW's step time / NHWC's): faster NHWC, by what the
 # convolutions compute in and the kind of model
-_zen4 = {('bf16', 'dense'): (True, '1.11x at 128 px, 0.95-1.19x at 64 px'), ('bf16', 'depthwise'): (True, '1.09x at 128 and 64 px'),
+_zen4 = {('bf16', 'dense'): (True, '1.11x at 128 px; at 64 px 0.95-1.19x, no slower on the whole'), ('bf16', 'depthwise'): (True, '1.09x at 128 and 64 px'),
          ('fp32', 'dense'): (True, '1.13x at 128 px, 1.01x at 64 px'), ('fp32', 'depthwise'): (True, '1.46x at 128 px, 1.44-1.54x at 64 px')}
 def _measured(cls:str, figs:dict, note:str='')->dict:
     return {k: (fast, f"measured {'faster' if fast else 'slower'} NHWC on {cls}: {f}{note}") for k,(fast,f) in figs.items()}
@@ -88,7 +88,7 @@ _cpu = [
          fp32_faster=_dw, source="measured: Zen 4, `to_half('auto')` 1.57x fp32's step (resnet18, 64 px)"),
     dict(when=dict(cpu_class='avx512'), auto='fp32', bf16=_fallback('avx512'), source="measured: Zen 4 capped "
          "(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`), a native bf16 layer 2.2x fp32's time",
-         nhwc=_measured('avx512', {('fp32', 'dense'): (True, '1.18x at 128 px, 0.98-1.12x at 64 px'),
+         nhwc=_measured('avx512', {('fp32', 'dense'): (True, '1.18x at 128 px; at 64 px 0.98-1.12x, no slower on the whole'),
                                    ('fp32', 'depthwise'): (True, '1.80x at 128 px, 1.37x at 64 px')})),
     # slower on small images: 'auto' is never slower than fp32 as fastai runs it; for large ones, `channels_last=True`
     dict(when=dict(cpu_class='avx2'), auto='fp32', bf16=_fallback('avx2'), source="measured: Zen 4 capped (`ONEDNN_MAX_CPU_ISA=AVX2 "

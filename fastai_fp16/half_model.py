@@ -61,21 +61,20 @@ def _outside_dtype(plan)->torch.dtype:
     "What `validate`/`get_preds` outside a fit compute in: the fit's dtype where it runs about as fast as fp32 (fast kernels, or fp32 math), so their figures are the fit's validation's; fp32 where only slow native kernels would run"
     return plan.dtype if plan.fast or plan.fp32_math else torch.float32
 
-_masters_words = dict(split='bf16 params and their low 16 bits (fp32, exactly)', kahan='bf16 params and a Kahan compensation',
-                      stochastic='bf16 params, stochastically rounded')
+_masters_words = dict(fp32='fp32', split='bf16 + low 16 bits', kahan='bf16 + compensation', stochastic='bf16, rounded at random')
 
 def _plan_line(plan, # the fit's `PrecisionPlan`
                mp=None, # the Learner's `MixedPrecision`: its settings that change what runs
                outside:bool=False, # `validate`/`get_preds` outside a fit run fp32 (the plan's dtype is slow here)
               )->str:
-    "The line that says what runs: the plan, the masters and optimizer states where they are not fp32's, and what runs outside a fit"
+    "The line that says what runs, short: the dtype and math, the layout, the masters (and optimizer states where not fp32), what runs outside a fit; the reasons and figures on request"
     kw = dict(masters='fp32', opt_states='fp32', master_weights=True)
     kw = {k: getattr(mp, k, d) for k,d in kw.items() if getattr(mp, k, d) != d} if plan.dtype != torch.float32 else {}
-    line = plan.describe(''.join(f", {k}={v!r}" for k,v in kw.items()))
-    if 'masters' in kw: line += f"; masters: {_masters_words[kw['masters']]}" + (", optimizer states bf16 at rest" if 'opt_states' in kw else '')
-    if outside: line += (f"; `validate`/`get_preds` outside a fit run fp32 (native {plan.kernels} is slow here): their figures can "
-                         "differ a little from the fit's validation")
-    return line
+    line = plan.line(''.join(f", {k}={v!r}" for k,v in kw.items()))
+    if plan.dtype != torch.float32:
+        line += '; no fp32 masters' if 'master_weights' in kw else f"; masters: {_masters_words[kw.get('masters', 'fp32')]}"  # opt_states: in the call
+    if outside: line += f"; `validate`/`get_preds` outside a fit run fp32 (native {plan.kernels.split()[0]} is slow here)"
+    return line + " (why: learn.model_to_half.plan)"
 
 def _sparse(m:nn.Module)->bool:
     "An embedding with sparse grads: kept fp32 (sparse grads are unscaled as they are; a half copy could not take them)"

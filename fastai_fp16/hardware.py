@@ -191,9 +191,19 @@ class PrecisionPlan(_Record):
         n = _names[self.dtype]
         return f"{n} storage, fp32 math" if self.fp32_math and n != 'fp32' else n
     def describe(self, settings:str='')->str: # more of the call's arguments, as ", masters='split'"
-        "One line: what runs and why"
+        "What runs and why, with every reason and figure (a fit's is `learn.model_to_half.plan`)"
         fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({self.layout})"
         return f"to_half({self.requested!r}{settings}) on {self.device}: {self.kernels} ({self.reason}){fmt}"
+    def __repr__(self): return self.describe()
+    def line(self, settings:str='')->str: # more of the call's arguments, as ", masters='split'"
+        "What runs in a few words, no figures: the dtype and its math, the memory format (`describe`: the reasons and figures)"
+        n, l = _names[self.dtype], self.layout
+        why = (self.reason.removeprefix('fp32: ').split(':')[0].split(' (')[0] if n == 'fp32' else f"native {n} is slow here" if not self.fast
+               else 'fp32 math as asked' if self.fp32_math else 'its speed not measured here' if 'not measured' in self.reason else 'fast here')
+        lw = next((w for k,w in (('measured faster', 'faster here'), ('measured slower', 'NHWC slower here'),
+                                 ('NHWC not measured', 'NHWC not measured here')) if k in l), l.split(':')[0])
+        fmt = '' if self.channels_last is None else f"; {'channels_last' if self.channels_last else 'NCHW'} ({lw})"
+        return f"to_half({self.requested!r}{settings}) on {self.device}: {self.kernels} ({why}){fmt}"
 
 def _fp32_math_arg(fp32_math):
     if fp32_math not in ('auto', True, False):
@@ -201,9 +211,9 @@ def _fp32_math_arg(fp32_math):
     return fp32_math
 
 # what fp32 math holds at a training batch's peak (tools/27_bench_live, an AVX2 EPYC): half activations, and each
-# weight's half cast until its layer's backward (`{n}`: the plan's dtype, whose cast it is)
-_f32_memory = ("; live memory: half activations, plus each weight's {n} copy until its backward (resnet18 in bf16 measured "
-               "1.09x fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)")
+# weight's half cast until its layer's backward (`{n}`: the plan's dtype); the figures, bf16's, only in a bf16 plan
+_f32_memory = "; live memory: half activations, plus each weight's {n} copy until its backward"
+_f32_memory_bf16 = " (resnet18 measured 1.09x fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)"
 
 def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
                    dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16'); names in any case
@@ -226,7 +236,7 @@ def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
     f32 = (not fast and rule is not None and rule.math == 'fp32') if fp32_math == 'auto' else fp32_math
     warn, reason = None, why
     if rule is None: warn = None if f32 else f"{n} on {dev}: {_no_rule(dev)}; it trains in {n}, torch's own kernels."
-    elif not fast and f32: reason = f"convolutions and linear layers compute in fp32, as native {n} is slow here: {why}" + (_f32_memory.format(n=n) if dev == 'cpu' else '')
+    elif not fast and f32: reason = f"convolutions and linear layers compute in fp32, as native {n} is slow here: {why}" + (_f32_memory.format(n=n) + _f32_memory_bf16 * (n == 'bf16') if dev == 'cpu' else '')
     elif not fast:
         # `to_float()` first: the warning comes from a fit, and `to_half` refuses a Learner that has it
         fix = (f"`learn.to_float().to_half('{n}')` (fp32 math, the default on CPU) or `learn.to_float().to_half('auto')`" if rule.math == 'fp32'

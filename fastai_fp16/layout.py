@@ -4,7 +4,8 @@
 
 # %% ../nbs/04a_layout.ipynb #b7a10003
 from __future__ import annotations
-import sys, torch, torch.nn as nn
+import random, sys, numpy as np, torch, torch.nn as nn
+from torch.nn.parameter import is_lazy
 from fastai.callback.core import Callback
 from .device_rules import device_rule, rule_text
 from .hardware import Capabilities, PrecisionPlan, plan_precision, detect, _names
@@ -56,10 +57,33 @@ def plan_fit(caps:Capabilities, # the device (`detect`)
              model:nn.Module|None=None, # the model (its `conv_kind`)
              channels_last:bool|None=None, # True/False as asked; None: where `prefers_channels_last` says so
             )->PrecisionPlan:
-    "The plan of a fit of `model`: `plan_kind` for its `conv_kind`"
-    return plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
+    "The plan of a fit of `model`: `plan_kind` for its `conv_kind`, its reason naming only the layers `model` has"
+    p = plan_kind(caps, dtype, fp32_math, None if model is None else conv_kind(model), channels_last)
+    if model is not None and 'convolutions and linear layers' in p.reason:  # what fp32 math computes: only what is there
+        has = [n for n,c in (('convolutions', nn.modules.conv._ConvNd), ('linear layers', nn.Linear)) if any(isinstance(m, c) for m in model.modules())]
+        p.reason = p.reason.replace('convolutions and linear layers', ' and '.join(has) or 'convolutions and linear layers (none here)')
+    return p
 
 # %% ../nbs/04a_layout.ipynb #b7a1000d
+def _materialize(learn)->bool:
+    "Lazy layers (`nn.LazyLinear`...) made real by an fp32 forward of one batch, in eval mode, random states kept: their layout can then be set. False if some stay lazy"
+    m = learn.model
+    if not any(is_lazy(t) for t in (*m.parameters(), *m.buffers())): return True
+    for dl in (learn.dls.valid, learn.dls.train):  # the validation set's first batch: not shuffled, not augmented
+        was, rng = {s: s.training for s in m.modules()}, getattr(dl, 'rng', None)
+        kept = random.getstate(), np.random.get_state(), rng.getstate() if isinstance(rng, random.Random) else None
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():  # the init they draw leaves the fit's randomness as it was
+                b = dl.one_batch()
+                m.eval()(*b[:getattr(learn.dls, 'n_inp', 1)])  # eval: no BatchNorm statistics, no dropout
+            return True
+        except Exception: continue  # an empty or failing loader: the other one, else as they are
+        finally:
+            for s,t in was.items(): s.training = t
+            random.setstate(kept[0]); np.random.set_state(kept[1])
+            if kept[2] is not None: rng.setstate(kept[2])
+    return False
+
 class AutoChannelsLast(Callback):
     "The model channels_last at `before_fit`, as fastai's `ChannelsLast` makes it: where the fit's plan prefers it (a conv net on a device where NHWC is faster), or `always`"
     order = -1  # fastai's `ChannelsLast`'s: before the callbacks that change the model
@@ -73,6 +97,7 @@ class AutoChannelsLast(Callback):
             m = self.learn.model
             dev = next((t.device for t in m.parameters()), torch.device('cpu'))  # where TrainEvalCallback put it
             if not plan_fit(detect(dev), mth.dtype, mth.fp32_math, m).channels_last: return
+        if not _materialize(self.learn): return  # lazy layers (only where the layout changes) without a batch to make them: NCHW
         self.learn.model.to(memory_format=torch.channels_last)
 
 def layout_asked(learn)->bool|None:

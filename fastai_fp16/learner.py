@@ -43,6 +43,8 @@ def to_half(self:Learner,
         raise ValueError("`to_half` was already called on this Learner. Call `learn.to_float()` first to change its settings.")
     check_fastai_precision(self, adding='to_half')  # fastai's own `to_fp16`/`to_non_native_fp16` callbacks
     dtype = half_dtype(dtype, auto=True)  # before any change: a wrong name leaves the Learner as it was
+    if channels_last not in (True, False, None):
+        raise ValueError(f"channels_last must be True, False or None (channels_last where faster here), got {channels_last!r}.")
     mp = MixedPrecision(**kwargs)
     if dtype != 'auto': mp._for_dtype(dtype); check_masters(mp.masters, mp.opt_states, dtype)  # its loss scale reads right before the first fit
     if mp.masters != 'fp32': _lean_steps(self, mp.masters)  # an optimizer lean masters cannot step: refused now, not at the fit

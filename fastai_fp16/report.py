@@ -4,7 +4,7 @@
 
 # %% ../nbs/00b_report.ipynb #b2e70003
 from __future__ import annotations
-import functools, math, os, sys, warnings
+import functools, gc, math, os, sys, warnings
 import torch
 
 # %% auto #0
@@ -13,17 +13,22 @@ __all__ = ['new_line', 'say', 'user_frame', 'warn_user', 'SmoothedLoss', 'scale_
 # %% ../nbs/00b_report.ipynb #b2e70014
 _ended = None  # the console bar line `new_line` ended last: (the bar, its position, its time), not ended twice
 
-def _open_line(learn):
-    "The console progress bar of `learn` whose line is open now (written to, its loop not over), else None"
+def _open_line(learn=None):
+    "The console progress bar whose line is open now (written to, its loop not over): `learn`'s, else any other (a loop of the user's, `LMLearner.predict`'s), else None"
     fp = sys.modules.get('fastprogress.fastprogress')
+    if fp is None or not fp.printing(): return None
+    def is_open(pb): return (isinstance(pb, fp.ConsoleProgressBar) and pb.display and pb.last_v is not None  # `last_v`: None once over
+                             and (pb, pb.last_v, getattr(pb, 'last_t', None)) != _ended)
     pb = getattr(getattr(learn, 'progress', None), 'pbar', None)
-    if fp is None or not isinstance(pb, fp.ConsoleProgressBar) or not pb.display or not fp.printing(): return None
-    return pb if pb.last_v is not None and (pb, pb.last_v, getattr(pb, 'last_t', None)) != _ended else None  # `last_v`: None once over
+    if is_open(pb): return pb
+    # a bar that is not the fit's: among the instances of its classes (gc: some ms, only when a line is said)
+    kinds = fp.ConsoleProgressBar, *fp.ConsoleProgressBar.__subclasses__()
+    return next((o for o in gc.get_referrers(*kinds) if is_open(o)), None)
 
 def new_line(learn=None): # the Learner whose progress bar may be open
-    "End the line a console progress bar of `learn` left open (a cancelled fit's): what comes next starts a line of its own"
+    "End the line a console progress bar left open (a cancelled fit's, a loop's of the user's, one `LMLearner.predict` draws): what comes next starts a line of its own"
     global _ended
-    pb = _open_line(learn) if learn is not None else None
+    pb = _open_line(learn)
     if pb is None: return
     print(flush=True)
     _ended = (pb, pb.last_v, getattr(pb, 'last_t', None))

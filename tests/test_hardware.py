@@ -64,7 +64,9 @@ def test_auto_trains_here_and_says_so_once(capsys):
         with learn.no_bar(): learn.fit(1, 1e-2)
     plan = plan_fit(detect('cpu'), 'auto', model=learn.model)
     out = capsys.readouterr().out
-    assert out.count("to_half('auto') on cpu:") == 1 and plan.describe() in out, out
+    assert out.count("to_half('auto') on cpu:") == 1 and plan.line() in out, out
+    said = next(l for l in out.splitlines() if l.startswith("to_half('auto')"))
+    assert len(said) <= 200 and 'why: learn.model_to_half.plan' in said, said  # short; the reasons and figures on request
     assert learn.model_to_half.plan == plan and fp32_everywhere(learn)
     assert any(not torch.equal(a, b) for a, b in zip(w, params(learn)))
     fit(Learner(conv_dls(), conv_net(), loss_func=CrossEntropyLossFlat()).to_half('auto'))  # another Learner, the same plan: silent
@@ -144,3 +146,27 @@ def test_auto_scale_follows_the_dtype():
 def test_bad_fp32_math_is_refused():
     with pytest.raises(ValueError, match="fp32_math must be 'auto', True or False"):
         Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16', fp32_math='yes')
+
+def test_the_plan_line_is_short_and_its_own(capsys):
+    "Issue 62.8: one line of at most ~200 characters, the dtype, math, layout and masters; only its own dtype's figures; only the model's layers"
+    ModelToHalf._said.clear()
+    with assume_capabilities(cpu_caps('avx2')):
+        learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('fp16')  # an MLP: no convolution
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith('to_half(')]
+    assert len(line) == 1 and len(line[0]) <= 200, line
+    assert all(w in line[0] for w in ('fp16 storage, fp32 math', 'NCHW', 'masters: fp32')) and 'resnet18' not in line[0], line
+    full = repr(learn.model_to_half.plan)  # on request: the reasons and figures
+    assert 'linear layers compute in fp32' in full and 'convolutions and linear' not in full and 'resnet18' not in full, full
+
+def test_the_plan_line_starts_after_a_bar_that_is_not_the_fits():
+    "Issue 62.9: `get_preds` in a `progress_bar` loop of the user's (as `LMLearner.predict` runs it): the line starts a line of its own"
+    import io, contextlib, fastai.callback.progress
+    from fastprogress.fastprogress import progress_bar
+    ModelToHalf._said.clear()
+    learn = Learner(synth_dls(), tiny_model(), loss_func=nn.MSELoss()).to_half('bf16')
+    with assume_capabilities(cpu_caps('avx2')), contextlib.redirect_stdout(out := io.StringIO()):
+        for _ in progress_bar(range(2), leave=False):
+            with learn.no_bar(): learn.get_preds()
+    text = out.getvalue()
+    assert "]\nto_half('bf16') on cpu: " in text, repr(text)

@@ -139,10 +139,11 @@ def test_old_names_in_a_fresh_interpreter():
 
 # `from fastai_fp16.all import *` before the modules moved (issue 35): the same names after (and issue 54's new ones); issue
 # 53 took out the window's hooks (`run_fp32`, `Fp32Hooks`, `land_buffers`: nothing is put on the model any more) and added fp32
-# math's functional forms; issue 56's `to_float` makes bf16 optimizer states fp32 with `fp32_states`
+# math's functional forms; issue 56's `to_float` makes bf16 optimizer states fp32 with `fp32_states`; issue 62's doctor
+# advises from `measure_auto` (`advice`)
 ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'EMA',
     'LinearFp32', 'LossScaleError', 'LossScaler', 'MixedPrecision', 'ModelToHalf', 'PeakMemory', 'PrecisionMonitor',
-    'PrecisionPlan', 'PrecisionReport', 'RECIPES', 'SkipValid', 'StepTimer', 'SynthDL', 'adam_variants', 'archs',
+    'PrecisionPlan', 'PrecisionReport', 'RECIPES', 'SkipValid', 'StepTimer', 'SynthDL', 'adam_variants', 'advice', 'archs',
     'assume_capabilities', 'batch_overhead', 'bench', 'bench_main', 'bench_shape', 'bf16_kahan', 'bf16_master', 'bf16_nomaster',
     'bf16_split', 'bf16_stochastic', 'capped_loss',
     'cast_floats', 'check_device', 'check_fastai_precision', 'compare', 'conv_fp32', 'conv_kind', 'convert_network', 'cpu_caps', 'cpu_classes',
@@ -151,7 +152,7 @@ ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 
     'flat_like', 'float_tensors', 'folder_dls', 'fp16_bn32', 'fp16_loss32', 'fp16_master', 'fp16_pure',
     'fp16_static_nomaster', 'fp32', 'fp32_plan_overhead', 'fp32_states', 'fused_adam_step', 'fused_adam_supported', 'fused_adam_target', 'half_dtype',
     'half_params', 'half_support', 'imagenette_dls', 'imagenette_url', 'kept_fp32', 'layer_bench', 'layer_variants',
-    'layout_asked', 'linear_fp32', 'machine_info', 'make_flat_master', 'markdown_table', 'master_params_to_model_params', 'median_ms',
+    'layout_asked', 'linear_fp32', 'machine_info', 'make_flat_master', 'markdown_table', 'master_params_to_model_params', 'measure_auto', 'median_ms',
     'model_grads_to_master_grads', 'module_tensors', 'mps_caps', 'named_ours', 'nonfinite_', 'norm_classes', 'norm_types', 'nvidia_static128', 'nvidia_tf_cnn',
     'older_names', 'opt_step_times', 'ours_step_fn', 'overhead_bench', 'param_shapes', 'patch_fp32_math', 'plan_fit', 'plan_kind',
     'plan_precision', 'plot_loss_scale', 'plot_losses', 'precision_report', 'prefers_channels_last', 'prep_param_lists',

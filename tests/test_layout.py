@@ -53,12 +53,33 @@ def test_auto_layout_says_so_when_it_picks_channels_last(measured, capsys):
     learn = Learner(img_dls(), dense_net(), loss_func=nn.MSELoss()).to_half('bf16')  # fp32 math on this class
     with assume_capabilities(measured), learn.no_bar(): learn.fit(1, 1e-2)
     out = capsys.readouterr().out
-    assert "to_half('bf16') on cpu" in out and 'channels_last (fp32 dense convolutions measured faster NHWC on avx2: made up)' in out
+    assert "to_half('bf16') on cpu" in out and 'channels_last (faster here)' in out, out
+    assert 'made up' in repr(learn.model_to_half.plan)  # the figures behind it, on request
 
 def test_explicit_false_is_respected(measured):
     learn = fit(Learner(img_dls(), dense_net(), loss_func=nn.MSELoss(), cbs=(lay := Layout())).to_half('auto', channels_last=False), measured)
     assert lay.cl is False and learn.model_to_half.plan.channels_last is False
     assert not [cb for cb in learn.cbs if isinstance(cb, ChannelsLast)]
+
+def lazy_net(): torch.manual_seed(0); return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+
+@pytest.mark.parametrize('channels_last', [None, True, False])
+def test_lazy_layers_train_whatever_the_layout(channels_last):
+    "A lazy layer is made before the layout is set (issue 62.4): on a CPU class where 'auto' picks channels_last, injected"
+    caps = cpu_caps('avx512_bf16')  # bf16, NHWC for dense conv nets
+    learn = Learner(img_dls(), lazy_net(), loss_func=nn.MSELoss(), cbs=(lay := Layout())).to_half(channels_last=channels_last)
+    state = torch.get_rng_state()
+    fit(learn, caps)
+    assert lay.cl is (channels_last is not False) and learn.model[3].weight.shape == (2, 4*6*6) and fp32_everywhere(learn)
+    plain = Learner(img_dls(), lazy_net(), loss_func=nn.MSELoss())
+    torch.set_rng_state(state)
+    with plain.no_bar(), plain.no_logging(): plain.fit(1, 1e-2)  # plain fastai trains it too
+
+def test_channels_last_takes_true_false_or_none():
+    learn = Learner(img_dls(), dense_net(), loss_func=nn.MSELoss())
+    for bad in ('yes', 'auto', 2):
+        with pytest.raises(ValueError, match=r"channels_last must be True, False or None"): learn.to_half('bf16', channels_last=bad)
+    assert not [cb for cb in learn.cbs if isinstance(cb, (AutoChannelsLast, ModelToHalf))]  # left as it was
 
 @pytest.mark.parametrize('arg', [None, True])
 def test_users_own_channels_last_is_kept_and_not_doubled(arg):

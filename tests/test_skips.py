@@ -117,7 +117,7 @@ def test_the_plan_is_said_once_a_process_before_the_first_batch():
     out = capsys_out.getvalue()
     lines = [l for l in out.splitlines() if l.startswith('to_half(')]
     assert len(lines) == 2 and lines[0].startswith("to_half('bf16') on cpu: bf16 storage, fp32 math"), lines
-    assert lines[1].startswith("to_half('bf16', masters='split', opt_states='bf16') on cpu:") and 'optimizer states bf16 at rest' in lines[1]
+    assert lines[1].startswith("to_half('bf16', masters='split', opt_states='bf16') on cpu:") and 'masters: bf16 + low 16 bits' in lines[1]
 
 def test_lr_find_says_nothing_of_its_skips(tmp_path):
     "`lr_find`'s trial steps diverge on purpose: a NaN loss there is neither warned of nor summed up, a `CSVLogger` on (which logs `lr_find`) or not"

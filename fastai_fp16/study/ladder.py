@@ -4,10 +4,10 @@
 
 # %% ../../nbs/study/12_ladder.ipynb #32b52507
 from __future__ import annotations
-import random, time, warnings, zlib
+import random, textwrap, time, warnings, zlib
 from contextlib import contextmanager
 from functools import partial
-import numpy as np, pandas as pd
+import numpy as np, pandas as pd, matplotlib.ticker as mticker
 import torch, torch.nn as nn, torch.nn.functional as F
 from fastai.callback.core import Callback
 from fastai.learner import Learner
@@ -229,7 +229,7 @@ def compare(recipes:list|str, # recipe names (a list or 'a,b,c')
     init = arch(dls.c, size)
     rows, losses, scales = [], {}, {}
     for i,n in enumerate(names):
-        if show: print(f"[{i+1}/{len(names)}] {n}: {RECIPES[n].__doc__}", flush=True)
+        if show: print(textwrap.fill(f"[{i+1}/{len(names)}] {n}: {RECIPES[n].__doc__}", 120, subsequent_indent='    '), flush=True)
         model = arch(dls.c, size); model.load_state_dict(init.state_dict())
         row, _, losses[n], scales[n] = run_recipe(n, dls, model, epochs, lr, seed, fp32_math, show, bar, deterministic)
         rows.append(row)
@@ -287,7 +287,10 @@ def plot_losses(res:pd.DataFrame, # `compare`'s result
         daxs.append(ax)
     # small differences next to large ones (another optimizer, a diverged run): linear near 0, log beyond
     a = np.abs(np.concatenate([d[skip_start:] for d in ds.values()] or [[]])); a = a[np.isfinite(a) & (a > 0)]
-    if len(a): daxs[0].set_yscale('symlog', linthresh=float(np.quantile(a, .5)), linscale=2)
+    if len(a):  # a small panel has room for five labels: 0, each side's top decade and the one two below (if clear of 0's)
+        lt, k = float(np.quantile(a, .5)), int(np.floor(np.log10(a.max())))  # the top decade inside the data's range
+        side = [10.**k] + [10.**(k-2)] * int(k - 2 > np.log10(lt) + .5); daxs[0].set_yscale('symlog', linthresh=lt, linscale=2)
+        daxs[0].yaxis.set(major_locator=mticker.FixedLocator(sorted([-s for s in side] + [0.] + side)), minor_locator=mticker.NullLocator())
     lax = fig.add_subplot(gs[rows, :])
     for k,(nm,ls) in enumerate(losses.items()): _curve(lax, k, m, n, nm, range(skip_start, len(ls)), ls[skip_start:], nm + diverged(nm))
     lax.set(xlabel='step', ylabel='train loss (smoothed)', yscale='log' if log else 'linear')

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/tools/25_cli.ipynb #e16a1f7d
 from __future__ import annotations
-import contextlib, importlib, sys, tempfile, textwrap, warnings
+import contextlib, importlib, math, sys, tempfile, textwrap, warnings
 # fastai's import runs `torch.jit.script`, deprecated in torch 2.14: not the user's concern, so not on every command
 warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated', category=FutureWarning)
 from functools import partial
@@ -32,6 +32,29 @@ def _device(device:str|None, gpus:tuple=('cuda',))->str:
     seen = dict(mps=lambda: torch.backends.mps.is_available(), xpu=lambda: torch.xpu.is_available()).get(device, lambda: True)
     if not seen(): raise CLIError(f"--device {device}, but PyTorch sees no {device} device here.")
     return device
+
+# what a numeric option takes, the parser checking only its type: (lowest, the lowest itself allowed); the images are 8 px
+# or more (`imagenette_dls`' floor), doctor's one layer 3 px; seeds are numpy's (0 to 2**32-1)
+_ranges = dict(epochs=(1, True), bs=(1, True), lr=(0, False), size=(8, True), steps=(1, True), warmup=(0, True),
+               rounds=(1, True), repeats=(1, True), threads=(1, True), channels=(1, True), seed=(0, True))
+# the devices each command plans for: the ladder and `train` on the CPU or CUDA; doctor and bench wherever a rule says
+_devices = dict(compare=('cpu', 'cuda'), train=('cpu', 'cuda'), doctor=('cpu', 'cuda', 'mps', 'xpu'), bench=('cpu', 'cuda', 'mps', 'xpu'))
+
+def _in_range(cmd:str, # the command: `compare`, `train`, `doctor`, `bench`...
+              kw:dict, # its options, as parsed
+             )->dict: # `kw`, each value in its range
+    "Refuse an option out of its range before any work starts (`CLIError` naming the option and the range)"
+    for k,v in kw.items():
+        if k not in _ranges or v is None or isinstance(v, bool): continue
+        lo, eq = (3, True) if (cmd, k) == ('doctor', 'size') else _ranges[k]
+        hi = 2**32 - 1 if k == 'seed' else math.inf
+        if not (lo <= v <= hi if eq else lo < v <= hi) or not math.isfinite(v):
+            rng = f"{lo} to {hi}" if hi < math.inf else f"{'>=' if eq else '>'} {lo}"
+            raise CLIError(f"--{k.replace('_', '-')} must be {rng}, got {v:g}." if isinstance(v, float) else f"--{k.replace('_', '-')} must be {rng}, got {v}.")
+    dev, ok = kw.get('device'), _devices.get(cmd)
+    if dev is not None and ok and dev not in ok:
+        raise CLIError(f"--device must be {', '.join(ok[:-1])} or {ok[-1]} (the devices fastai-fp16 {cmd} plans for), got {dev!r}.")
+    return kw
 
 def _fp32_math(v:str):
     "`to_half`'s `fp32_math` from `--fp32-math`"
@@ -106,7 +129,8 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                 deterministic:bool=False, # cuDNN deterministic, no autotuner: repeatable GPU runs, slower convolutions
                ):
     "Run the precision recipes from the same weights and seed; write a table and loss / loss-scale plots (with the defaults, about 2 minutes on a 2-core CPU without fast bf16 kernels, up to 11 where other work shares it)"
-    import torch, pandas as pd
+    _in_range('compare', dict(locals()))  # called from Python too: nothing runs with a value out of range
+    import torch
     from fastai_fp16.study.ladder import compare
     device = _device(device)
     with tempfile.TemporaryDirectory(prefix='fastai_fp16_') as tmp:  # the digits' images, for this run only
@@ -117,12 +141,17 @@ def compare_cmd(recipes:str=None, # comma-separated recipe names (default: every
                       bar=sys.stdout.isatty(), deterministic=deterministic, size=size, device=device)
     gpu = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({torch.get_num_threads()} threads)'
     note = (f"{data}, {size} px, {arch}, bs {bs}, {epochs} epoch(s), lr {lr:g}, seed {seed}, {_det(deterministic)}, on {gpu}, "
-            f"torch {torch.__version__}. epoch_s is an epoch's wall time (training and validation): it varies from run to run, most "
+            f"torch {torch.__version__}. epoch_s (s/epoch on the console) is an epoch's wall time (training and validation): it varies from run to run, most "
             "where other work shares the machine.")
     out = write_results(res, out, note)
-    with pd.option_context('display.width', 200, 'display.max_columns', 20):
-        print(res.drop(columns='error') if not res.error.any() else res)
-    print(f"\n{note}\nWrote {out}/results.csv, results.md, losses.png, loss_scale.png")
+    from fastai_fp16.hardware import detect
+    from fastai_fp16.layout import plan_fit
+    from fastai_fp16.study.ladder import archs
+    from fastai_fp16.tools.verdict import console_table, verdict
+    plan = plan_fit(detect(device), 'auto', f32, archs[arch](10, size))  # what `to_half('auto')` runs here, for this model
+    print('\n' + console_table(res))  # rounded, 120 columns; the CSV and the markdown keep every digit
+    print('\n' + textwrap.fill(note, 120) + '\n' + textwrap.fill(f"Wrote {out}/results.csv, results.md, losses.png, loss_scale.png", 120))
+    print('\n' + verdict(res, plan))  # the run's conclusion, last
     return res
 
 @call_parse
@@ -141,6 +170,7 @@ def train_cmd(precision:str='auto', # auto (what is fast here: bf16 where its ke
               masters:str='fp32', # bf16's fp32 masters: fp32 (the params), or in fewer bytes: split (exact), kahan, stochastic
              ):
     "Train one model with the fastai_fp16 callbacks and export the learner"
+    _in_range('train', dict(locals()))
     if precision not in ('fp32','fp16','bf16','auto'):
         raise CLIError(f"--precision must be fp32, fp16, bf16 or auto, got {precision!r}.")
     if masters not in ('fp32', 'split', 'kahan', 'stochastic'):
@@ -240,7 +270,7 @@ def main(argv:list|None=None)->int: # exit status
     try:
         p = _parser(argv[0])
         if '-h' in argv[1:] or '--help' in argv[1:]: p.print_help(); return 0
-        kw = vars(p.parse_args(dashed(argv[1:])))  # a bad option fails here, before the imports
+        kw = _in_range(argv[0], vars(p.parse_args(dashed(argv[1:]))))  # a bad option fails here, before the imports
         _func(argv[0])(**kw)
     except CLIError as e: print(_err(e), file=sys.stderr); return 2
     except KeyboardInterrupt: print(_err("interrupted."), file=sys.stderr); return 130

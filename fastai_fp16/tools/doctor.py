@@ -4,7 +4,7 @@
 
 # %% ../../nbs/tools/20_doctor.ipynb #bba69c87
 from __future__ import annotations
-import statistics, time
+import math, statistics, time
 import torch, torch.nn as nn
 from ..hardware import *
 from ..core import convert_network
@@ -12,7 +12,7 @@ from ..fp32math import patch_fp32_math
 from ..layout import plan_kind
 
 # %% auto #0
-__all__ = ['layer_variants', 'bench_shape', 'layer_bench', 'doctor']
+__all__ = ['layer_variants', 'bench_shape', 'layer_bench', 'measure_auto', 'advice', 'doctor']
 
 # %% ../../nbs/tools/20_doctor.ipynb #88ca72eb
 layer_variants = ('fp32', 'bf16', 'fp16', 'bf16 storage, fp32 math', 'fp16 storage, fp32 math')
@@ -70,25 +70,48 @@ def layer_bench(channels:int|None=None, # input and output channels (default: `b
     return {v: {_fmt[cl]: statistics.median(ts[v, cl]) for cl in layouts} for v in variants}
 
 # %% ../../nbs/tools/20_doctor.ipynb #a943569c
-def _agree(report:PrecisionReport, ms:dict)->str|None:
-    "A note when the measured bf16 speed contradicts the flags (NCHW figures)"
-    if 'bf16' not in ms or 'fp32' not in ms: return None
-    fast, r = report.support['bf16'][0], ms['bf16']['NCHW'] / ms['fp32']['NCHW']
-    if fast and r > 1: return f"note: bf16 is said to be fast here but measured {r:.1f}x fp32's time: prefer learn.to_half('bf16', fp32_math=True) or fp32."
-    if not fast and r < 0.8: return f"note: bf16 measured {1/r:.1f}x faster than fp32 although the flags say no fast kernels: try learn.to_half('bf16', fp32_math=False)."
-    return None
+def _steady(rs:list, tol:float)->bool: return len(rs) >= 3 and max(rs) - min(rs) <= tol * statistics.median(rs)
 
-def _layouts(report:PrecisionReport, ms:dict|None)->list:
-    "What `to_half('auto')` trains a dense and a depthwise conv net in here, and a note where one layer measured that much slower"
-    out, caps = [], report.caps
+def measure_auto(measure, # called as `measure(variants)` once a round: `layer_bench`'s result for those variants
+                 variant:str, # what 'auto' runs here: a `layer_variants` entry (`PrecisionPlan.kernels`)
+                 layout:str, # and in which memory format: 'NCHW' or 'NHWC'
+                 rounds:int=6, # at most
+                 tol:float=0.15, # steady: three ratios in a row within this fraction of their median
+                )->dict: # ratios (one a round), ratio (the last three's median), steady, ms (each figure's median over rounds)
+    "`variant` in `layout` against fp32 NCHW (fastai's plain fit), a ratio a round, until three in a row agree or `rounds` ran"
+    runs, rs = [], []
+    while len(rs) < rounds and not _steady(rs[-3:], tol):
+        runs.append(measure(layer_variants if not runs else tuple(dict.fromkeys(('fp32', variant)))))  # the table once, then the two
+        rs.append(runs[-1][variant][layout] / runs[-1]['fp32']['NCHW'])
+    ms = {v: {f: statistics.median(r[v][f] for r in runs if v in r) for f in t} for v,t in runs[0].items()}
+    return dict(ratios=rs, ratio=statistics.median(rs[-3:]), steady=_steady(rs[-3:], tol), ms=ms)
+
+def advice(report:PrecisionReport, # `precision_report`'s
+           m:dict|None, # `measure_auto`'s, of what 'auto' runs here (None: not measured)
+          )->tuple: # (the call to use, the note that says why, or None)
+    "The call to recommend and why, both from one measurement of what `to_half('auto')` runs here: the note never contradicts the call"
+    p = plan_kind(report.caps, 'auto', kind='dense')
+    what = f"{p.kernels} {'NHWC' if p.channels_last else 'NCHW'}"
+    if m is None: return report.call, None
+    call = report.call.split(';')[0]  # measured: no claim of the rule's on another dtype's speed beside it
+    if p.dtype == torch.float32 and not p.channels_last: return call, None  # plain fp32: nothing to compare
+    rs = m['ratios']
+    said = f"measured {m['ratio']:.2f}x fp32's time ({min(rs):.2f}-{max(rs):.2f}x over {len(rs)} rounds)"
+    if not m['steady']:
+        return call, (f"note: what 'auto' runs here ({what}, a dense conv layer) {said}, not steady: the call goes by the "
+                             "device's rule; `fastai-fp16 bench` times whole fits.")
+    if m['ratio'] <= 1.05: return call, f"'auto' runs {what} here (a dense conv layer): {said}."
+    t = m['ms'].get(p.kernels, {})
+    if p.channels_last and t.get('NCHW', math.inf) < 1.05 * m['ms']['fp32']['NCHW']:  # its dtype is fine, its layout is not
+        return "learn.to_half('auto', channels_last=False)", f"'auto' runs {what} here (a dense conv layer): {said}; NCHW was not slower."
+    return "learn.to_float()  # plain fp32", f"'auto' runs {what} here (a dense conv layer): {said}: fp32 is faster here."
+
+def _layouts(report:PrecisionReport)->list:
+    "What `to_half('auto')` trains a dense and a depthwise conv net in here"
+    out = []
     for kind in ('dense', 'depthwise'):
-        p = plan_kind(caps, 'auto', kind=kind)
+        p = plan_kind(report.caps, 'auto', kind=kind)
         out.append(f"  auto, {kind} conv nets: {p.kernels}, {'channels_last' if p.channels_last else 'NCHW'} ({p.layout})")
-    p = plan_kind(caps, 'auto', kind='dense')
-    t = (ms or {}).get(p.kernels)
-    if p.channels_last and t and 'NCHW' in t and 'NHWC' in t and t['NHWC'] > 1.25 * t['NCHW']:
-        out.append(f"note: one {p.kernels} layer measured {t['NHWC']/t['NCHW']:.1f}x slower NHWC here: if training is too, "
-                   "pass learn.to_half('auto', channels_last=False).")
     return out
 
 def doctor(device=None, # default: the device fastai trains on (`fastai_device()`: CUDA, else MPS on a Mac, else the CPU)
@@ -107,16 +130,20 @@ def doctor(device=None, # default: the device fastai trains on (`fastai_device()
     if bench and device.type not in _shapes: print(f"\n(no micro-benchmark on {device.type}: `fastai-fp16 bench --device {device.type}` times a fit there)")
     elif bench:
         c, s, b = bench_shape(device.type, *(kwargs.pop(k, None) for k in ('channels', 'size', 'bs'))).values()
-        ms = res['ms'] = layer_bench(c, s, b, device=device, **kwargs)
+        p = plan_kind(rep.caps, 'auto', kind='dense')  # what 'auto' runs: measured until steady, the rest once
+        m = res['auto'] = measure_auto(lambda vs: layer_bench(c, s, b, device=device, variants=vs, **kwargs),
+                                       p.kernels, 'NHWC' if p.channels_last else 'NCHW')
+        ms = res['ms'] = m['ms']
         ref = ms['fp32'].get('NCHW') or next(iter(ms['fp32'].values()))
-        print(f"\nOne Conv2d({c}, {c}, 3) forward+backward, input {b}x{c}x{s}x{s}, on {device.type} (median ms; x: fp32 NCHW's time):")
+        print(f"\nOne Conv2d({c}, {c}, 3) forward+backward, input {b}x{c}x{s}x{s}, on {device.type} (median ms over "
+              f"{len(m['ratios'])} rounds for {' and '.join(dict.fromkeys(('fp32', p.kernels)))}, one for the rest; x: fp32 NCHW's time):")
         w = max(map(len, ms))
         for v,t in ms.items():
             cols = '   '.join(f"{f} {m:8.2f} ms {m/ref:6.2f}x" for f,m in t.items())
             ratio = f"   NCHW/NHWC {t['NCHW']/t['NHWC']:.2f}" if len(t) == 2 else ''
             print(f"  {v:<{w}}  {cols}{ratio}")
-        note = _agree(rep, ms)
-        if note: print(note)
-    print('\n' + '\n'.join(_layouts(rep, ms)))
-    print(f"\nRecommended: {rep.call}")
+    call, note = advice(rep, res.get('auto'))
+    print('\n' + '\n'.join(_layouts(rep)))
+    if note: print(note)
+    print(f"\nRecommended: {call}")
     return res
