@@ -23,9 +23,9 @@ def chunk_elements(n:int, # the elements of the lean params
 
 class _Chunk:
     "A chunk's lists for the multi-tensor ops, made once: the lean pieces' bf16 views, bits, grads and states, their fp32 stand-ins in the workspace, the fused kernel's groups"
-    def __init__(self, lean, opt, ch:list, buf:torch.Tensor, cap:int, rnd:torch.Tensor|None):
+    def __init__(self, lean, opt, ch:list, buf:torch.Tensor, cap:int, rnd:torch.Tensor|None, sc:torch.Tensor|None=None):
         sts, self.n, bf16 = opt_state(opt), 0, lean.opt_states == 'bf16'
-        self.h, self.b, self.gs, self.w, self.gw, self.s16, self.sw, self.groups, self.own = [], [], [], [], [], [], [], {}, []
+        self.h, self.b, self.gs, self.w, self.gw, self.s16, self.sw, self.groups, self.own, self.s = [], [], [], [], [], [], [], {}, [], []
         for pc in ch:
             p, st = pc.p, sts[pc.p]
             key = (pc.i, st.get('do_wd', True))
@@ -36,6 +36,7 @@ class _Chunk:
             # param's stand-in takes its strides (channels_last...): the kernel walks it in the order it walks an fp32 master
             take = lambda r: (lambda t: t if pc.a is not None else t.as_strided(p.shape, p.stride()))(buf[r*cap + self.n:r*cap + self.n + pc.numel])
             w, gw, bits = take(0), take(1), lean._bits(p)
+            if sc is not None: self.s.append((lambda t: t if pc.a is not None else t.as_strided(p.shape, p.stride()))(sc[self.n:self.n + pc.numel]))
             self.h.append(pc.of(raw(p))); self.w.append(w); self.gw.append(gw); self.gs.append(pc)
             if bits is not None: self.b.append(pc.of(bits))
             m, v = (pc.of(st[s]) for s in _stepped)
@@ -46,6 +47,12 @@ class _Chunk:
         self.wi = [w.view(torch.int32) for w in self.w]
         self.h16 = [h.view(torch.int16) for h in self.h]
         self.b16 = [b.view(torch.int16) for b in self.b]
+        # `sc` (a device's): an int16 scratch the pieces are gathered into and scattered from by same-dtype multi-tensor
+        # copies (one kernel for many tensors), the casts made on it whole
+        self.sf = None if sc is None else sc[:self.n]
+        if sc is not None:
+            self.sb, self.wf, self.gf = [t.view(torch.bfloat16) for t in self.s], buf[:self.n], buf[cap:cap + self.n]
+            self.sfb, self.mf, self.vf = self.sf.view(torch.bfloat16), buf[2*cap:2*cap + self.n], buf[3*cap:3*cap + self.n]
         self.rnd, self.rnd4 = (None, None) if rnd is None else (rnd[:self.n], rnd[:-(-self.n // 4) * 4])
         self.groups = {k: tuple(map(list, zip(*v))) for k,v in self.groups.items()}  # (params, stand-ins, grads, averages, squares)
 
@@ -73,6 +80,7 @@ def _by_step(ps:list, steps:dict)->dict:
 
 class LeanStep:
     "fastai's `Adam` on lean params in torch's fused kernel, a chunk at a time, in a few multi-tensor ops a chunk: lists made once, made again when a param's tensors change"
+    flat = None  # gather into a scratch and cast it whole: None where not a CPU (a multi-tensor kernel copies one dtype)
     def __init__(self, lean): self.lean, self.key, self.chunks = lean, None, []
 
     def _key(self, opt)->list:
@@ -118,7 +126,8 @@ class LeanStep:
         if ws.buf is None or ws.buf.numel() < regions * need or ws.buf.device != dev:
             ws.buf = None; ws.buf = torch.empty(regions * need, device=dev); ws.fresh += 1
         rnd = torch.empty(-(-need // 4) * 4, dtype=torch.int16, device=dev) if lean.mode == 'stochastic' else None  # 64-bit draws
-        self.chunks = [_Chunk(lean, opt, ch, ws.buf, need, rnd) for ch in chs]
+        sc = torch.empty(need, dtype=torch.int16, device=dev) if (dev.type != 'cpu' if self.flat is None else self.flat) else None
+        self.chunks = [_Chunk(lean, opt, ch, ws.buf, need, rnd, sc) for ch in chs]
         self.key = self._key(opt)
 
     def step(self, opt, kind:str, found_inf:torch.Tensor|None=None)->bool:
@@ -153,6 +162,7 @@ def _widen(self:LeanStep, c:_Chunk):
     "The chunk's stand-ins: each lean piece's fp32 value, its grad and (bf16 at rest) states in fp32"
     mode = self.lean.mode
     if not c.w: return
+    if c.sf is not None: return self._widen_flat(c)
     torch._foreach_copy_(c.w, c.h)  # bf16 to fp32 is exact: the bf16 bits, shifted up 16
     if mode == 'split': torch._foreach_add_(c.wi, c.b)  # plus the low bits, read signed: `join_into`'s sum
     elif mode == 'kahan': torch._foreach_add_(c.w, c.b)  # plus the compensation
@@ -164,6 +174,7 @@ def _narrow(self:LeanStep, c:_Chunk):
     "The stand-ins back into each lean piece's bf16 value and bits (and bf16 states), as `LeanMasters._narrow` makes them"
     lean, x = self.lean, c.flat
     if not c.w: return
+    if c.sf is not None: return self._narrow_flat(c)
     if c.s16: torch._foreach_copy_(c.s16, c.sw)
     if lean.mode == 'split':  # `split_into`: the low 16 bits, then the pattern plus half the dropped range, shifted
         torch._foreach_copy_(c.b16, c.wi)
@@ -179,3 +190,33 @@ def _narrow(self:LeanStep, c:_Chunk):
         else: c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)  # four to a draw of 64 bits (torch's fastest)
         x.add_(c.rnd).add_(0x8000).bitwise_right_shift_(16)
     torch._foreach_copy_(c.h16, c.wi)  # a narrowing integer copy keeps the low 16 bits: the rounded bf16's
+
+@patch
+def _widen_flat(self:LeanStep, c:_Chunk):
+    "`_widen` on a device: each piece gathered into the scratch by a same-dtype multi-tensor copy, then cast whole"
+    torch._foreach_copy_(c.sb, c.h); c.wf.copy_(c.sfb)
+    if self.lean.mode == 'split': torch._foreach_copy_(c.s, c.b16); c.flat.add_(c.sf)
+    elif self.lean.mode == 'kahan': torch._foreach_copy_(c.sb, c.b); c.wf.add_(c.sfb)
+    torch._foreach_copy_(c.sb, c.grads()); c.gf.copy_(c.sfb)
+    for st, f in ((c.s16[0::2], c.mf), (c.s16[1::2], c.vf)):
+        if st: torch._foreach_copy_(c.sb, st); f.copy_(c.sfb)
+
+@patch
+def _narrow_flat(self:LeanStep, c:_Chunk):
+    "`_narrow` on a device: each cast made whole into the scratch, then scattered by a same-dtype multi-tensor copy"
+    lean, x = self.lean, c.flat
+    for st, f in ((c.s16[0::2], c.mf), (c.s16[1::2], c.vf)):
+        if st: c.sfb.copy_(f); torch._foreach_copy_(st, c.sb)
+    if lean.mode == 'split':
+        c.sf.copy_(x); torch._foreach_copy_(c.b16, c.s)
+        x.add_(0x8000).bitwise_right_shift_(16)
+    elif lean.mode == 'kahan':
+        c.sfb.copy_(c.wf); torch._foreach_copy_(c.h, c.sb)
+        c.wf.sub_(c.sfb); x.bitwise_right_shift_(16)
+        c.sf.copy_(x); torch._foreach_copy_(c.b16, c.s)
+        return
+    else:
+        if lean.pool is not None: lean.pool.fill(c.rnd)
+        else: c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)
+        x.add_(c.rnd).add_(0x8000).bitwise_right_shift_(16)
+    c.sf.copy_(x); torch._foreach_copy_(c.h16, c.s)
