@@ -81,7 +81,8 @@ def _by_step(ps:list, steps:dict)->dict:
 class LeanStep:
     "fastai's `Adam` on lean params in torch's fused kernel, a chunk at a time, in a few multi-tensor ops a chunk: lists made once, made again when a param's tensors change"
     flat = None  # gather into a scratch and cast it whole: None where not a CPU (a multi-tensor kernel copies one dtype)
-    def __init__(self, lean): self.lean, self.key, self.chunks = lean, None, []
+    def __init__(self, lean): # the fit's `LeanMasters`
+        self.lean, self.key, self.chunks = lean, None, []
 
     def _key(self, opt)->list:
         "What the lists are made from: each stepped param, its memory, its states and bits (tensors compared by identity), its grad's layout"
@@ -130,7 +131,10 @@ class LeanStep:
         self.chunks = [_Chunk(lean, opt, ch, ws.buf, need, rnd, sc) for ch in chs]
         self.key = self._key(opt)
 
-    def step(self, opt, kind:str, found_inf:torch.Tensor|None=None)->bool:
+    def step(self, opt, # the fit's optimizer: fastai's `Adam` (see `fastai_adam_kind`)
+             kind:str, # 'adamw' (decoupled weight decay) or 'adam'
+             found_inf:torch.Tensor|None=None, # 1-element fp32: the kernel leaves every param as it is where it holds 1
+            )->bool: # False where the lists cannot be made (nothing done): the caller steps piece by piece
         "One step of fastai's `Adam` (`kind` 'adamw' or 'adam') on every param of `opt` with a grad (`found_inf`: the kernel skips it where 1); False, having done nothing, where it cannot"
         if not _same(self.key, self._key(opt)):
             if not self._ready(opt): self.key = None; return False

@@ -238,7 +238,8 @@ def step_times_vs(vs:str, # the root of another checkout of this package (an old
                      threads=threads or torch.get_num_threads(), n_params=depth * (width**2 + width), runs=runs)
     return res
 
-def vs_markdown(t:pd.DataFrame)->str: # from `step_times_vs`
+def vs_markdown(t:pd.DataFrame, # from `step_times_vs`
+               )->str:
     "`step_times_vs`'s figures as a markdown table"
     a, l = t.attrs, t.attrs['vs']
     out = [f"Optimizer step (fused), `mlp({a['width']}, {a['depth']})` ({a['n_params']/1e6:.1f}M params), bs {a['bs']}, {a['threads']} threads, "
