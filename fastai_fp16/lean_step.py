@@ -49,10 +49,11 @@ class _Chunk:
         self.b16 = [b.view(torch.int16) for b in self.b]
         # `sc` (a device's): an int16 scratch the pieces are gathered into and scattered from by same-dtype multi-tensor
         # copies (one kernel for many tensors), the casts made on it whole
+        self.wf, self.gf, self.gwi = buf[:self.n], buf[cap:cap + self.n], [g.view(torch.int32) for g in self.gw]
         self.sf = None if sc is None else sc[:self.n]
         if sc is not None:
-            self.sb, self.wf, self.gf = [t.view(torch.bfloat16) for t in self.s], buf[:self.n], buf[cap:cap + self.n]
-            self.sfb, self.mf, self.vf = self.sf.view(torch.bfloat16), buf[2*cap:2*cap + self.n], buf[3*cap:3*cap + self.n]
+            self.sb, self.sfb = [t.view(torch.bfloat16) for t in self.s], self.sf.view(torch.bfloat16)
+            self.mf, self.vf = buf[2*cap:2*cap + self.n], buf[3*cap:3*cap + self.n]
         self.rnd, self.rnd4 = (None, None) if rnd is None else (rnd[:self.n], rnd[:-(-self.n // 4) * 4])
         self.groups = {k: tuple(map(list, zip(*v))) for k,v in self.groups.items()}  # (params, stand-ins, grads, averages, squares)
 
@@ -168,8 +169,10 @@ def _widen(self:LeanStep, c:_Chunk):
     if not c.w: return
     if c.sf is not None: return self._widen_flat(c)
     torch._foreach_copy_(c.w, c.h)  # bf16 to fp32 is exact: the bf16 bits, shifted up 16
-    if mode == 'split': torch._foreach_add_(c.wi, c.b)  # plus the low bits, read signed: `join_into`'s sum
-    elif mode == 'kahan': torch._foreach_add_(c.w, c.b)  # plus the compensation
+    # plus the low bits read signed (`join_into`'s sum), or the compensation: widened into the grads' region first, so
+    # that no op of two dtypes makes a temporary (the step allocates nothing)
+    if mode == 'split': torch._foreach_copy_(c.gwi, c.b); c.flat.add_(c.gf.view(torch.int32))
+    elif mode == 'kahan': torch._foreach_copy_(c.gw, c.b); c.wf.add_(c.gf)
     torch._foreach_copy_(c.gw, c.grads())
     if c.s16: torch._foreach_copy_(c.sw, c.s16)
 
@@ -185,14 +188,15 @@ def _narrow(self:LeanStep, c:_Chunk):
         x.add_(0x8000).bitwise_right_shift_(16)
     elif lean.mode == 'kahan':  # rounded to nearest, what it dropped truncated to 16 bits
         torch._foreach_copy_(c.h, c.w)
-        torch._foreach_sub_(c.w, c.h)
+        torch._foreach_copy_(c.gw, c.h); c.wf.sub_(c.gf)  # the rounded value widened again: exact
         x.bitwise_right_shift_(16)
         torch._foreach_copy_(c.b16, c.wi)
         return
     else:  # `round_stochastic`: the pattern plus 16 random bits read signed, plus 2**15, shifted
         if lean.pool is not None: lean.pool.fill(c.rnd)  # a CPU's: from the step's pool
         else: c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)  # four to a draw of 64 bits (torch's fastest)
-        x.add_(c.rnd).add_(0x8000).bitwise_right_shift_(16)
+        g = c.gf.view(torch.int32)
+        x.add_(g.copy_(c.rnd)).add_(0x8000).bitwise_right_shift_(16)
     torch._foreach_copy_(c.h16, c.wi)  # a narrowing integer copy keeps the low 16 bits: the rounded bf16's
 
 @patch
