@@ -12,6 +12,7 @@ from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
 from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, RandomPool, _per_element
 from .writes import Writes, raw, _blockwise
 from .bit_check import check_bit_ops
+from .lean_step import LeanStep
 
 # %% auto #0
 __all__ = ['masters_modes', 'split_into', 'join_into', 'split_fp32', 'join_fp32', 'round_stochastic', 'check_masters',
@@ -109,6 +110,7 @@ class LeanMasters:
         self.mode, self.opt_states, self.seed, self.steps = mode, opt_states, seed, steps
         self.ps, self.ids, self.opt, self.gen, self.pool, self.fused, self.ws, self.bits = [], set(), None, None, None, None, None, {}
         self.writes = Writes(self._bits, self._narrow, self._widen)  # what user code writes to the params lands
+        self.fast = LeanStep(self)  # fastai's `Adam`, fused: a few ops a chunk
 
     def _bits(self, p, pop:bool=False)->torch.Tensor|None:
         "What `p` keeps beside its bf16 (split's low bits, Kahan's compensation), here: no optimizer call can wipe it; None for stochastic"
@@ -144,7 +146,7 @@ class LeanMasters:
         held = {id(p) for pg in opt.param_lists for p in pg}
         # kahan and stochastic hold fewer bits than fp32: a frozen param (`freeze`) would only lose its own; it stays fp32
         self.opt, self.ps = opt, [p for p in params if id(p) in held and p.dtype == torch.float32 and (p.requires_grad or self.mode == 'split')]
-        self.ids, self.ws, k = {id(p) for p in self.ps}, Workspace(), _bits_dtype.get(self.mode)
+        self.ids, self.ws, self.fast, k = {id(p) for p in self.ps}, Workspace(), LeanStep(self), _bits_dtype.get(self.mode)
         with torch.no_grad():
             for p in self.ps:
                 g, p.grad, x = p.grad, None, p.data
@@ -160,7 +162,7 @@ class LeanMasters:
     def end(self, grads:bool=False # their grads made fp32 (else dropped)
            )->list:
         "Each param fp32 again, its exact value; the extra bits gone, the states as they are (bf16 ones stay bf16). Returns the params"
-        self.ws = None  # the step's workspace goes first, then the grads (unless kept): the fp32 params take their memory
+        self.ws, self.fast = None, LeanStep(self)  # the step's workspace (and the lists' views of it) goes first, then the grads (unless kept): the fp32 params take their memory
         with torch.no_grad():
             gs = {id(p): p.grad for p in self.ps if p.dtype == torch.bfloat16} if grads else {}
             for p in self.ps: p.grad = None
@@ -247,7 +249,9 @@ def step(self:LeanMasters, opt):
     self.steps += 1
     # a step that gives each chunk's memory back and takes it again leaves the heap high: one workspace, reused
     with torch.no_grad():
-        for ch in pieces(opt, chunk, lambda p: ew and id(p) in self.ids and self._sliceable(p)):
+        if self.fused and self.fast.step(opt, self.fused): chs = []  # fastai's `Adam`: a few ops a chunk
+        else: chs = pieces(opt, chunk, lambda p: ew and id(p) in self.ids and self._sliceable(p))
+        for ch in chs:
             self.ws.reset(ch[0].p.device)
             try:
                 for pc in ch:  # every slice of a param steps from its state as this step found it

@@ -2,15 +2,23 @@
 # The GPU checks as one prepared script, for a session that is lent a GPU machine (the `device` tool).
 #
 #   here:  bash tools/gpu_check.sh fetch    # wheels of what the GPU image lacks -> .whl/ (in .gitignore)
-#   there: device run, carry ['.whl'], timeout_s 400:  bash tools/gpu_check.sh run
+#   there: device run, carry ['.whl'], timeout_s 480:  bash tools/gpu_check.sh run
 #
 # `run` installs the wheels (the machine has torch, torchvision, sklearn, pandas... but no fastai and cannot download),
-# runs the `#| cuda` cells of 03_learner through nbdev_test, the CUDA benchmark (fastai to_fp16 and to_non_native_fp16
-# vs ours, fp32 and TF32) and the precision ladder on the embedded digits data, and leaves at
-# most 8 files in $OUT. Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data.
-# Each stage has a time limit and all of them TOTAL seconds (360): a hang costs its stage, not the lease. The CPU dry
-# run below (2 vCPUs shared with other work, limits x2) took 204 s in one run (install 12 s, versions 4, nbdev_test 31,
-# bench 89, compare 68), 104 s in another (3, 9, 20, 43, 29) and 67 s on a quiet machine (4, 8, 16, 17, 22).
+# then, each stage with its own limit and all of them TOTAL seconds (420: a hang costs its stage, not the lease):
+# - nbdev_test --flags cuda over the notebooks whose `#| cuda` cells test the GPU paths: 01c_op_policy (the autocast
+#   window, CUDA's fp32 list, fp16/bf16 fits), 03_learner (fits, syncs a step), 09b_masters and 09bb_lean_step (lean
+#   masters under CUDA's fused kernel: split bit for bit with fp32 masters, the lean step's ops); their other cells are
+#   CPU-pinned;
+# - lean: tools/gpu_lean.py, resnet50 224 bs 64 channels_last under `to_half('bf16')` and each `masters=`: step ms, and
+#   the torch ops and CUDA kernels from the end of the backward to the end of the step; then a lean fit of a model with
+#   a checkpointed block and an autocast-off region (gpu-audit-s10 row 2);
+# - bench: the end-to-end variants (fp32, TF32, fastai's fp16, ours fp16 and bf16) and the per-batch overhead; the
+#   optimizer-side overhead table is off (`--overhead False`: it times helpers no fit uses since the params became
+#   their own masters);
+# - compare on the embedded digits data (the precision ladder, lean masters included).
+# Imagenette cells (`#| cuda #| slow`) are not run: that machine cannot download the data. It leaves at most 8 files in
+# $OUT. A CPU dry run (the command at the end of this file) runs every stage at its smallest; its times say nothing of a GPU's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="apsw==3.54.1.0 apswutils==0.1.2 asttokens==3.0.1 astunparse==1.6.3 backcall==0.2.0 beartype==0.23.1
@@ -30,9 +38,10 @@ fetch)
       -d .whl "$w" || { echo "could not fetch $w"; exit 1; }
   done
   du -sh .whl ;;
-run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
-  : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}" "${SITE:=/tmp/site}" "${TOTAL:=360}" "${SLOW:=$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}"
-  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 12 --warmup 3 --rounds 3}" "${COMPARE:=}"
+run)  # DEVICE, NBS, LEAN, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
+  : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}" "${SITE:=/tmp/site}" "${TOTAL:=420}" "${SLOW:=$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}"
+  : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 12 --warmup 3 --rounds 3 --overhead False}" "${COMPARE:=}"
+  : "${LEAN:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5}" "${NBS:=01c_op_policy 03_learner 09b_masters 09bb_lean_step}"
   mkdir -p "$OUT"; : > "$OUT/log.txt"
   export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
   FF=(python3 -c 'import sys; from fastai_fp16.tools.cli import main; sys.exit(main(sys.argv[1:]))')
@@ -54,8 +63,9 @@ run)  # DEVICE, BENCH and COMPARE override the defaults (a CPU dry run of this s
   ((rc == 0)) || { echo "rc=1 (install failed)" | tee -a "$OUT/log.txt"; exit 1; }
   stage versions 30 "$OUT/log.txt" bash -c '! command -v nvidia-smi >/dev/null || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c "import torch, fastai; print(\"torch\", torch.__version__, \"fastai\", fastai.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"'
-  stage "nbdev_test --flags $DEVICE 03_learner" 120 "$OUT/log.txt" nbdev_test --flags "$DEVICE" --path nbs/03_learner.ipynb
-  stage bench 180 "$OUT/bench.md" "${FF[@]}" bench --device "$DEVICE" $BENCH --json "$OUT/bench.json"
+  for nb in $NBS; do stage "nbdev_test --flags $DEVICE $nb" 60 "$OUT/log.txt" nbdev_test --flags "$DEVICE" --path "nbs/$nb.ipynb"; done
+  stage lean 60 "$OUT/lean.md" python3 tools/gpu_lean.py --device "$DEVICE" $LEAN
+  stage bench 150 "$OUT/bench.md" "${FF[@]}" bench --device "$DEVICE" $BENCH --json "$OUT/bench.json"
   stage "compare (digits)" 90 "$OUT/log.txt" "${FF[@]}" compare --device "$DEVICE" $COMPARE --out "$OUT/compare"
   echo "stages:$times; total ${SECONDS}s" | tee -a "$OUT/log.txt"
   echo "rc=$rc" | tee -a "$OUT/log.txt"; exit $rc ;;
@@ -68,4 +78,4 @@ esac
 # urllib3 jinja2 markupsafe python-dateutil pygments psutil tqdm click (and their dependencies, less tzdata: not there).
 # OUT and SITE (where the wheels go, default /tmp/site) can point elsewhere, so that two checkouts don't share them:
 #   PATH=/tmp/venv312/bin:$PATH DEVICE=cpu COMPARE="--epochs 1" BENCH="--arch resnet18 --size 32 --bs 4 --steps 1 \
-#     --warmup 1 --overhead-arch resnet18 --repeats 1" bash tools/gpu_check.sh run
+#     --warmup 1 --overhead False" LEAN="--arch resnet18 --size 32 --bs 4 --steps 2 --warmup 1" bash tools/gpu_check.sh run

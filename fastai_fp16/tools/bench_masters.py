@@ -6,6 +6,7 @@
 from __future__ import annotations
 import copy, gc, json as jsonlib, os, statistics, subprocess, sys, time
 from pathlib import Path
+import fastai_fp16
 import pandas as pd, torch, torch.nn as nn
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
@@ -19,7 +20,8 @@ from .cli_parser import cli_parser, dashed
 
 # %% auto #0
 __all__ = ['masters_variants', 'mlp', 'held_bytes', 'OptTimer', 'masters_learner', 'fit_memory', 'fit_memory_process',
-           'bytes_per_param', 'step_times', 'masters_markdown', 'bench_masters', 'bench_masters_main']
+           'bytes_per_param', 'step_times', 'masters_markdown', 'step_times_vs', 'vs_markdown', 'bench_masters',
+           'bench_masters_main']
 
 # %% ../../nbs/tools/26_bench_masters.ipynb #b26a0006
 masters_variants = ('plain', 'fp32', 'split', 'split+bf16', 'kahan', 'kahan+bf16', 'stochastic', 'stochastic+bf16')
@@ -204,6 +206,49 @@ def masters_markdown(mem:pd.DataFrame|None=None, # from `bytes_per_param`
         out.append('')
     return '\n'.join(out)
 
+# %% ../../nbs/tools/26_bench_masters.ipynb #b26a0026
+_vs_code = ("import json, sys, torch; from fastai_fp16.tools.bench_masters import step_times; a = json.loads(sys.argv[1]); "
+            "t = a.pop('threads'); t and torch.set_num_threads(t); s = step_times(**a); "
+            "print(json.dumps({v: [r.opt_ms, r.opt_vs_fp32] for (v, f), r in s.iterrows()}))")
+
+def step_times_vs(vs:str, # the root of another checkout of this package (an older commit's tree): timed in turn with this one
+                  variants:tuple=('split', 'kahan', 'stochastic'), # those of `masters_variants` to time ('fp32' is added)
+                  width:int=2048, depth:int=5, bs:int=4, steps:int=5, warmup:int=2, # as `step_times` takes them
+                  rounds:int=3, # a process of each tree a round, the first of them alternating
+                  threads:int|None=None, # torch CPU threads in each process (default: torch's)
+                  label:str='vs', # what to call `vs` in the table (a commit)
+                 )->pd.DataFrame:
+    "The fused optimizer step of each variant against fp32 masters in this tree and in `vs`, side by side: ratios within a process, medians over the rounds, and this tree's ratio over `vs`'s"
+    trees = {'this': str(Path(fastai_fp16.__file__).parents[1]), label: str(Path(vs).resolve())}
+    args = dict(variants=list(variants), width=width, depth=depth, bs=bs, steps=steps, warmup=warmup, rounds=1, fused=[None], threads=threads)
+    runs = {k: [] for k in trees}
+    for i in range(rounds):
+        for k in _rot(list(trees), i):
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[k], os.environ.get('PYTHONPATH', '')]))
+            r = subprocess.run([sys.executable, '-c', _vs_code, jsonlib.dumps(args)], capture_output=True, text=True, env=env)
+            if r.returncode: raise RuntimeError(f"step times in {trees[k]} failed:\n{r.stderr[-3000:]}")
+            runs[k].append(jsonlib.loads(r.stdout.strip().splitlines()[-1]))
+    med, rows = statistics.median, []
+    for v in ('fp32', *variants):
+        rows.append({'variant': v, 'ms': med(r[v][0] for r in runs['this']), f'{label}_ms': med(r[v][0] for r in runs[label]),
+                     'vs_fp32': med(r[v][1] for r in runs['this']), f'{label}_vs_fp32': med(r[v][1] for r in runs[label]),
+                     f'vs_{label}': med(a[v][1] / b[v][1] for a,b in zip(runs['this'], runs[label]))})
+    res = pd.DataFrame(rows).set_index('variant')
+    res.attrs = dict(vs=label, width=width, depth=depth, bs=bs, steps=steps, warmup=warmup, rounds=rounds,
+                     threads=threads or torch.get_num_threads(), n_params=depth * (width**2 + width), runs=runs)
+    return res
+
+def vs_markdown(t:pd.DataFrame, # from `step_times_vs`
+               )->str:
+    "`step_times_vs`'s figures as a markdown table"
+    a, l = t.attrs, t.attrs['vs']
+    out = [f"Optimizer step (fused), `mlp({a['width']}, {a['depth']})` ({a['n_params']/1e6:.1f}M params), bs {a['bs']}, {a['threads']} threads, "
+           f"median of {a['steps']} steps after {a['warmup']}; {a['rounds']} rounds, each a process of this tree and one of {l}, in turn; "
+           f"ratios to fp32 masters within each process, medians over the rounds:", '',
+           f"| variant | ms | {l} ms | / fp32 masters | {l}: / fp32 masters | this / {l} (of the ratios) |", '|---|---|---|---|---|---|']
+    out += [f"| {v} | {r['ms']:.1f} | {r[l+'_ms']:.1f} | {r['vs_fp32']:.2f} | {r[l+'_vs_fp32']:.2f} | {r['vs_'+l]:.2f} |" for v,r in t.iterrows()]
+    return '\n'.join(out + [''])
+
 # %% ../../nbs/tools/26_bench_masters.ipynb #b26a0019
 def bench_masters(what:str='all', # memory, speed or all
                   variants:str=None, # comma-separated (default: every one of `masters_variants`)
@@ -219,19 +264,23 @@ def bench_masters(what:str='all', # memory, speed or all
                   threads:int=None, # torch CPU threads (default: torch's)
                   json:str=None, # write every figure to this JSON file
                   one:str=None, # one fit of this variant in this process; print its `fit_memory` figures as JSON
+                  vs:str=None, # speed: another checkout of this package (an older commit's tree), its fused step side by side (`step_times_vs`)
+                  vs_label:str='vs', # what to call it (its commit)
                  )->dict:
     "Bytes a param and step times of bf16 training's masters kept in fewer bytes, against fp32 masters; print markdown tables"
     if threads: torch.set_num_threads(threads)
     if one: res = fit_memory(one, width, depth, bs, steps, False if unfused else None); print(jsonlib.dumps(res)); return res
-    vs = tuple(v.strip() for v in variants.split(',') if v.strip()) if variants else masters_variants
+    vs_tree, vs = vs, tuple(v.strip() for v in variants.split(',') if v.strip()) if variants else masters_variants
     for v in vs: _masters(v)  # a bad name fails now, not after the first runs
     if what not in ('all', 'memory', 'speed'): raise ValueError(f"what is memory, speed or all, got {what!r}.")
     als = ('glibc', 'pinned') if allocator == 'both' else (allocator,)
     mem = bytes_per_param(vs, width, depth, bs, steps, repeats, als, unfused, progress=True) if what != 'speed' else None
-    speed = step_times(vs, width, depth, bs, steps, warmup, rounds, progress=True) if what != 'memory' else None
-    print(f"Machine: {machine_info()}\n\n" + masters_markdown(mem, speed))
+    speed = step_times(vs, width, depth, bs, steps, warmup, rounds, progress=True) if what != 'memory' and not vs_tree else None
+    side = step_times_vs(vs_tree, tuple(v for v in vs if v not in ('plain', 'fp32')), width, depth, bs, steps, warmup, rounds, threads, vs_label) if vs_tree and what != 'memory' else None
+    print(f"Machine: {machine_info()}\n\n" + masters_markdown(mem, speed) + ('' if side is None else vs_markdown(side)))
     res = dict(machine=machine_info(), memory=None if mem is None else dict(mem.attrs, rows=mem.reset_index().to_dict('records')),
-               speed=None if speed is None else dict(speed.attrs, rows=speed.reset_index().to_dict('records')))
+               speed=None if speed is None else dict(speed.attrs, rows=speed.reset_index().to_dict('records')),
+               side=None if side is None else dict(side.attrs, rows=side.reset_index().to_dict('records')))
     if json:
         with open(json, 'w') as f: jsonlib.dump(res, f, indent=1)
     return res
