@@ -26,7 +26,10 @@ def fp32_math_dtype()->torch.dtype|None:
 class fp32_math_for:
     "What torch.autocast lowers to `dt` computes in fp32 math: in this thread; with `backward`, in the backward's engine threads too; None: the device's kernels"
     __slots__ = ('dt', 'bw', 'prev')
-    def __init__(self, dt:torch.dtype|None, backward:bool=False): self.dt, self.bw = dt, backward and dt is not None
+    def __init__(self,
+        dt:torch.dtype|None, # the half dtype whose lowered ops compute in fp32 math; None: the device's kernels
+        backward:bool=False, # for a backward: its engine threads too (a checkpointed block's recomputation)
+    ): self.dt, self.bw = dt, backward and dt is not None
     def __enter__(self):
         self.prev = getattr(_tls, 'dt', None); _tls.dt = self.dt
         if self.bw: _bw[self.dt] = _bw.get(self.dt, 0) + 1

@@ -212,8 +212,8 @@ def _fp32_math_arg(fp32_math):
 
 # what fp32 math holds at a training batch's peak (tools/27_bench_live, an AVX2 EPYC): half activations, and each
 # weight's half cast until its layer's backward (`{n}`: the plan's dtype); the figures, bf16's, only in a bf16 plan
-_f32_memory = "; live memory: half activations, plus each weight's {n} copy until its backward"
-_f32_memory_bf16 = " (resnet18 measured 1.09x fp32's at 64 px, batch 16; 0.69x at 128 px, batch 32)"
+_f32_memory = "; live memory: half activations, the weights fp32, each rounded to {n} inside its layer (no copy kept for the backward)"
+_f32_memory_bf16 = " (resnet18 measured 0.84x fp32's at 64 px, batch 16)"
 
 def plan_precision(caps:Capabilities, # the device's capabilities (`detect`)
                    dtype='auto', # 'auto', or a half dtype (torch.float16/'fp16', torch.bfloat16/'bf16'); names in any case

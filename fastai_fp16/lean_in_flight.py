@@ -53,7 +53,9 @@ class _Exact(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g): return g.to(ctx.dt), None
 
-def exact(p:torch.Tensor, master)->torch.Tensor:
+def exact(p:torch.Tensor, # a lean param (bf16)
+          master, # master(p): its exact fp32 value, a new tensor
+         )->torch.Tensor:
     "Lean param `p` as its exact fp32 value `master(p)`, differentiable into `p`"
     return _Exact.apply(p, master) if torch.is_grad_enabled() and p.requires_grad else master(p)
 
