@@ -113,28 +113,34 @@ class _Meet(torch.autograd.Function):
 
 @pytest.mark.parametrize('plan', ['fp16', 'bf16', 'autocast=False', 'split'])
 def test_a_fit_in_another_thread_leaves_this_threads_modules_alone(plan):
-    "Item 4: while a fit in another thread is in its forward or its backward, this thread's own model computes as plain fp32"
+    "Item 4: while a fit in another thread is in its forward or its backward, this thread's own model computes as plain fp32, and under its own autocast as plain autocast: no mode, hook or kernel of the fit acts on it"
     torch.manual_seed(0)
     mine, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
-    ref, seen, errs = mine(x).detach(), [], []
+    modes = []  # the torch function modes on in this thread while its own modules run
+    mine[0].register_forward_hook(lambda m, a, o: modes.append(len(torch.overrides._get_current_function_mode_stack())))
+    ref = mine(x).detach()
+    with torch.autocast('cpu', dtype=torch.bfloat16): ref16 = mine(x)
+    seen, errs = [], []
     at, go = threading.Event(), threading.Event()
     def meet(where):  # the fit's thread: tell this one, wait until it ran its model
         seen.append(where); at.set(); go.wait(30); go.clear()
     def train():
         try: fit(Held(meet), plan)
-        except BaseException as e: errs.append(e)
+        except BaseException: errs.append(traceback.format_exc())
         finally: at.set()
     t = threading.Thread(target=train); t.start()
-    outs = []
+    outs, auto = [], []
     for _ in range(2):  # the other fit's forward, then its backward
         assert at.wait(60); at.clear()
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=False): outs.append(mine(x))  # as plain fp32
         outs.append(mine(x).detach())
+        with torch.autocast('cpu', dtype=torch.bfloat16): auto.append(mine(x))
         go.set()
     t.join(120)
     assert not errs, errs
     assert seen == ['forward', 'backward']
     assert all(o.dtype == torch.float32 and torch.equal(o, ref) for o in outs)
+    assert all(a.dtype == torch.bfloat16 and type(a.grad_fn) is type(ref16.grad_fn) and torch.equal(a, ref16) for a in auto)
+    assert set(modes) == {0}
 
 @pytest.mark.parametrize('plan', ['fp16', 'autocast=False', 'split'])
 def test_two_fits_in_two_threads(plan):
