@@ -85,6 +85,10 @@ def _viewed(out, func, args:tuple, kwargs:dict):
 
 def _reads(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
+    # in a `torch.compile` trace: the ops as they are (dynamo traces the window's autocast; a compiled model's graphs
+    # stay as many as in fp32)
+    if torch.compiler.is_compiling():
+        with _plain(): return func(*args, **kwargs)
     with _plain():
         n = _name(func)
         if n in _as_is or every_op_half() or (n in _moves and _keeps_dtype(args, kwargs)): return func(*args, **kwargs)

@@ -304,3 +304,17 @@ def test_a_gans_loss_runs_fp32_and_its_models_in_half(dtype):
     assert losses and set(losses) == {(False, torch.float32)}  # the loss: autocast off, fp32 inputs
     assert ('critic', _dt[dtype]) in seen  # the critic, also when the loss calls it, in half
     assert all(math.isfinite(v) for v in learn.recorder.values[-1][:2]) and fp32_everywhere(learn)
+
+def test_a_compiled_lean_model_makes_no_more_graphs_than_fp32():
+    "A `model.compile()`d model under split makes as many graphs as in fp32: the lean params' class stands aside in a trace"
+    counts = {}
+    for plan in ('fp32', 'split', 'split_fp32_math'):
+        graphs = []
+        def backend(gm, inputs): graphs.append(gm); return gm.forward
+        torch._dynamo.reset(); torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)); m.compile(backend=backend)
+        learn = fit(m, plan, epochs=2)
+        counts[plan] = len(graphs)
+        assert fp32_everywhere(learn) and all(math.isfinite(v) for v in learn.recorder.values[-1][:2])
+    torch._dynamo.reset()
+    assert counts['split'] <= counts['fp32'] and counts['split_fp32_math'] <= counts['fp32'], counts
