@@ -20,7 +20,9 @@ def _open_line(learn=None):
     def is_open(pb): return (isinstance(pb, fp.ConsoleProgressBar) and pb.display and pb.last_v is not None  # `last_v`: None once over
                              and (pb, pb.last_v, getattr(pb, 'last_t', None)) != _ended)
     pb = getattr(getattr(learn, 'progress', None), 'pbar', None)
-    if is_open(pb): return pb
+    # the fit's own bar, open or ended: its line is the one to end (another bar alive from an earlier loop is not open
+    # on the screen: ending it too would print an empty line)
+    if isinstance(pb, fp.ConsoleProgressBar): return pb if is_open(pb) else None
     # a bar that is not the fit's: among the instances of its classes (gc: some ms, only when a line is said)
     kinds = fp.ConsoleProgressBar, *fp.ConsoleProgressBar.__subclasses__()
     return next((o for o in gc.get_referrers(*kinds) if is_open(o)), None)
