@@ -5,7 +5,7 @@
 # %% ../nbs/09b_masters.ipynb #7d2427f8
 from __future__ import annotations
 from contextlib import contextmanager
-import torch, torch.nn as nn
+import ctypes, torch, torch.nn as nn
 import torch.distributed as dist
 from fastcore.basics import patch
 from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
@@ -97,9 +97,19 @@ def check_lean_opt(opt, # an optimizer (a fit's, one made mid-fit, or what an `o
         "of its own (`Lookahead` keeps copies of the weights). Use masters='fp32' (the default) with it.")
 
 # %% ../nbs/09b_masters.ipynb #3c58b38f
+_libc = []  # glibc's `malloc_trim`, looked up once (None where there is none: macOS, Windows, musl)
+
+def _trim(ps:list):
+    "On a CPU, the heap memory freed so far handed back to the system: glibc's malloc keeps it, and the fp32 params made next would take new pages beside it"
+    if not ps or ps[0].device.type != 'cpu': return
+    if not _libc:
+        try: _libc.append(ctypes.CDLL(None).malloc_trim)
+        except (OSError, AttributeError, TypeError): _libc.append(None)  # Windows: no CDLL(None)
+    if _libc[0] is not None: _libc[0](0)
+
 class LeanMasters:
     "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value kept beside it; the optimizer steps fp32 values, a chunk at a time"
-    chunk = None  # elements widened to fp32 at once; None: a 64th of the lean params (at least 2**18), a big param in slices where it can
+    chunk = None  # elements widened to fp32 at once, a big param in slices where it can; None: fastai's `Adam` as `chunk_elements` says (an 8 MiB workspace on a CPU), other optimizers a 64th of the lean params (at least 2**18)
     def __init__(self,
         mode:str, # 'split', 'kahan' or 'stochastic' (see `masters_modes`)
         opt_states:str='fp32', # the optimizer's averages at rest: 'fp32', or 'bf16' (widened for each step)
@@ -167,10 +177,12 @@ class LeanMasters:
             gs = {id(p): p.grad for p in self.ps if p.dtype == torch.bfloat16} if grads else {}
             for p in self.ps: p.grad = None
             self.writes.settle_all(); self.writes.unwatch()
+            _trim(self.ps)
             for p in self.ps:  # a param at a time: its fp32 tensor comes as its bf16 one and bits go
                 if p.dtype != torch.bfloat16: continue
                 p.data = self._widen(raw(p), self._bits(p, pop=True), torch.empty_like(p, dtype=torch.float32))
                 if grads and gs.get(id(p)) is not None: p.grad = gs[id(p)].float()
+                if p.numel() >= 1 << 19: _trim([p])  # its bf16 tensor and bits, freed, serve the next param
         ps, self.ps, self.ids, self.opt, self.gen, self.pool, self.bits = self.ps, [], set(), None, None, None, {}
         return ps
 
