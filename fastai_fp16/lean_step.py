@@ -132,8 +132,8 @@ class LeanStep:
         if ws.buf is None or ws.buf.numel() < regions * need or ws.buf.device != dev:
             ws.buf = None; ws.buf = torch.empty(regions * need, device=dev); ws.fresh += 1
         sc = torch.empty(need, dtype=torch.int16, device=dev) if (dev.type != 'cpu' if self.flat is None else self.flat) else None
-        # stochastic rounding's bits: a device draws them into a buffer (64-bit draws); a CPU's pool fills the grads' region
-        rnd = torch.empty(-(-need // 4) * 4, dtype=torch.int16, device=dev) if lean.mode == 'stochastic' and (dev.type != 'cpu' or sc is not None) else None
+        # stochastic rounding's bits: a device draws them into a buffer (64-bit draws); a CPU's pool adds its own
+        rnd = torch.empty(-(-need // 4) * 4, dtype=torch.int16, device=dev) if lean.mode == 'stochastic' and dev.type != 'cpu' else None
         self.chunks = [_Chunk(lean, opt, ch, ws.buf, need, rnd, sc) for ch in chs]
         self.key = self._key(opt)
 
@@ -198,11 +198,10 @@ def _narrow(self:LeanStep, c:_Chunk):
         torch._foreach_copy_(c.b16, c.wi)
         return
     else:  # `round_stochastic`: the pattern plus 16 random bits read signed, plus 2**15, shifted
-        g = c.gf.view(torch.int32)
-        if lean.pool is not None: lean.pool.fill(g)  # a CPU's: from the step's pool, widened as they are copied (one pass)
+        if lean.pool is not None: lean.pool.add_to(x).bitwise_right_shift_(16)  # a CPU's: the step's pool added lap by lap
         else:  # four to a draw of 64 bits (torch's fastest)
-            c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen); g.copy_(c.rnd)
-        x.add_(g).add_(0x8000).bitwise_right_shift_(16)
+            c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)
+            x.add_(c.gf.view(torch.int32).copy_(c.rnd)).add_(0x8000).bitwise_right_shift_(16)
     torch._foreach_copy_(c.h16, c.wi)  # a narrowing integer copy keeps the low 16 bits: the rounded bf16's
 
 @patch
@@ -229,8 +228,8 @@ def _narrow_flat(self:LeanStep, c:_Chunk):
         c.wf.sub_(c.sfb); x.bitwise_right_shift_(16)
         c.sf.copy_(x); torch._foreach_copy_(c.b16, c.s)
         return
+    elif lean.pool is not None: lean.pool.add_to(x).bitwise_right_shift_(16)  # a CPU's (here forced flat)
     else:
-        if lean.pool is not None: lean.pool.fill(c.rnd)
-        else: c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)
+        c.rnd4.view(torch.int64).random_(-2**63, None, generator=lean.gen)
         x.add_(c.rnd).add_(0x8000).bitwise_right_shift_(16)
     c.sf.copy_(x); torch._foreach_copy_(c.h16, c.s)

@@ -96,7 +96,7 @@ class RandomPool:
                  seed:int, # where each lap starts: with `gen`'s state, the same stream again
                  size:int=2**18): # int16s drawn (a multiple of 4)
         self.bits = torch.empty(size // 4, dtype=torch.int64, device=gen.device).random_(-2**63, None, generator=gen).view(torch.int16)
-        self.at, self.pos, self.lap = random.Random(seed), 0, 0  # python's generator for the places: no torch call
+        self.at, self.pos, self.lap, self.wide = random.Random(seed), 0, 0, None  # python's generator for the places: no torch call
 
     def _parts(self, n:int):
         "The pool's views that make the stream's next `n` bits"
@@ -120,6 +120,15 @@ class RandomPool:
         o, k = out.view(-1), 0
         for t in self._parts(out.numel()): o[k:k+len(t)].copy_(t); k += len(t)
         return out
+
+    def add_to(self, x:torch.Tensor)->torch.Tensor:
+        "int32 `x` (contiguous) plus the stream's next `x.numel()` bits, each read signed plus 2**15 as `round_stochastic` adds them: in place, no copy"
+        if self.wide is None: self.wide = self.bits.to(torch.int32).add_(0x8000)  # once a pool: each lap an int32 add, no temporary
+        o, k, w, bs = x.view(-1), 0, self.wide, self.bits.data_ptr()
+        for t in self._parts(x.numel()):
+            a = (t.data_ptr() - bs) // 2  # where the part lies in the pool
+            o[k:k+len(t)].add_(w[a:a+len(t)]); k += len(t)
+        return x
 
 # %% ../nbs/09aa_pieces.ipynb #9aa0000f
 def step_pieces(opt, # a fastai `Optimizer` or `OptimWrapper` (see `opt_kind`)
