@@ -103,18 +103,24 @@ def fit_memory(variant:str, # one of `masters_variants`
 # %% ../../nbs/tools/26_bench_masters.ipynb #b26a0012
 def _rot(xs:list, i:int)->list: return list(xs[i % len(xs):]) + list(xs[:i % len(xs)])  # no variant always first
 
+def _child(tree:str)->dict:
+    "`subprocess.run`'s `env` and `cwd` for a Python process that imports the package of checkout `tree`"
+    # run in the tree's root: `-c` and `-m` put the working directory first, before PYTHONPATH (from this checkout's
+    # root, a process meant for another tree imported this one)
+    return dict(env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get('PYTHONPATH', '')])), cwd=str(tree))
+
 def fit_memory_process(variant:str, # one of `masters_variants`
                        allocator:str='glibc', # 'glibc' as it comes, or 'pinned': each block over 128 KiB mapped, unmapped when freed
                        unfused:bool=False, # fastai's own Adam loop (`fused_step=False`)
                        **kw)->dict: # `fit_memory`'s sizes
     "`fit_memory` in a new Python process (the same package as this one's)"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(fastai_fp16.__file__).parents[1]), os.environ.get('PYTHONPATH', '')]))
-    env.pop('MALLOC_MMAP_THRESHOLD_', None)
+    ch = _child(Path(fastai_fp16.__file__).parents[1])
+    env = ch['env']; env.pop('MALLOC_MMAP_THRESHOLD_', None)
     if allocator == 'pinned': env['MALLOC_MMAP_THRESHOLD_'] = str(128 << 10)  # glibc's default, never raised: the RSS follows the live tensors
     elif allocator != 'glibc': raise ValueError(f"allocator is 'glibc' or 'pinned', got {allocator!r}.")
     args = [sys.executable, '-m', 'fastai_fp16.tools.bench_masters', '--one', variant, *(['--unfused'] if unfused else []),
             *[a for k,v in kw.items() for a in (f'--{k}', str(v))]]
-    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    r = subprocess.run(args, capture_output=True, text=True, **ch)
     if r.returncode: raise RuntimeError(f"{' '.join(args[1:])} failed:\n{r.stderr[-3000:]}")
     return dict(jsonlib.loads(r.stdout.strip().splitlines()[-1]), allocator=allocator)
 
@@ -224,8 +230,7 @@ def step_times_vs(vs:str, # the root of another checkout of this package (an old
     runs = {k: [] for k in trees}
     for i in range(rounds):
         for k in _rot(list(trees), i):
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[k], os.environ.get('PYTHONPATH', '')]))
-            r = subprocess.run([sys.executable, '-c', _vs_code, jsonlib.dumps(args)], capture_output=True, text=True, env=env)
+            r = subprocess.run([sys.executable, '-c', _vs_code, jsonlib.dumps(args)], capture_output=True, text=True, **_child(trees[k]))
             if r.returncode: raise RuntimeError(f"step times in {trees[k]} failed:\n{r.stderr[-3000:]}")
             runs[k].append(jsonlib.loads(r.stdout.strip().splitlines()[-1]))
     med, rows = statistics.median, []
