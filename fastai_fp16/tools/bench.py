@@ -257,19 +257,30 @@ def bench(device:str='cpu', # cpu, cuda, mps or xpu
           e2e:bool_arg=True, # run the end-to-end benchmark
           threads:int=None, # torch CPU threads (default: torch's); 1 is steadier on a shared machine
           variants:str=None, # comma-separated end-to-end variants (default: every one the device runs)
+          masters:bool_arg=False, # the lean masters' optimizer step against fp32 masters' (`bench_masters`: a 21M-param MLP, on the CPU)
+          vs:str=None, # with `masters`: another checkout's root (an older commit), its step timed in turn with this one's
+          vs_label:str='vs', # what to call it in the table (its commit)
          )->dict:
     "Benchmark our half precision against fp32, fastai and torch autocast; print markdown tables (with the defaults, about a minute on a 2-core CPU)"
+    if vs and not masters: raise ValueError(f"vs={vs!r} times the lean masters' step of that checkout beside this one's: pass masters=True (`--masters`) with it.")
     if threads: torch.set_num_threads(threads)
     sizes = [size] if size else [224] if torch.device(device).type == 'cuda' else [64, 128]
-    vs = tuple(v.strip() for v in variants.split(',') if v.strip()) if variants else None
-    if vs:
-        for v in vs: _variant_cbs(v, torch.device(device))  # a bad name fails now, not after the first runs
+    vts = tuple(v.strip() for v in variants.split(',') if v.strip()) if variants else None
+    if vts:
+        for v in vts: _variant_cbs(v, torch.device(device))  # a bad name fails now, not after the first runs
     res = dict(machine=machine_info(device))
     if overhead: res['overhead'] = overhead_bench(overhead_arch, device=device, repeats=repeats)
     if batch: res['batch_overhead'] = batch_overhead('bf16' if torch.device(device).type == 'cpu' else 'fp16', device=device)
     if fp32_plan and torch.device(device).type == 'cpu': res['fp32_plan'] = fp32_plan_overhead()
-    if e2e: res['e2e'] = [e2e_bench(arch, s, bs, steps, warmup, device, variants=vs, rounds=rounds, progress=True) for s in sizes]
-    print(markdown_table(res))
+    if e2e: res['e2e'] = [e2e_bench(arch, s, bs, steps, warmup, device, variants=vts, rounds=rounds, progress=True) for s in sizes]
+    text = markdown_table(res)
+    if masters:  # `bench_masters` imports this module: imported here
+        from .bench_masters import step_times, step_times_vs, masters_markdown, vs_markdown
+        lean = ('split', 'kahan', 'stochastic')
+        t = step_times_vs(vs, lean, rounds=max(rounds, 3), threads=threads, label=vs_label) if vs else step_times(lean, rounds=max(rounds, 3), fused=(None,))
+        res['masters'] = dict({k: v for k,v in t.attrs.items() if k != 'runs'}, rows=t.reset_index().to_dict('records'))
+        text += '\n' + (vs_markdown(t) if vs else masters_markdown(speed=t))
+    print(text)
     if json:
         with open(json, 'w') as f: jsonlib.dump(res, f, indent=1)
     return res
