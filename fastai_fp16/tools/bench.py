@@ -262,7 +262,7 @@ def bench(device:str='cpu', # cpu, cuda, mps or xpu
           vs_label:str='vs', # what to call it in the table (its commit)
          )->dict:
     "Benchmark our half precision against fp32, fastai and torch autocast; print markdown tables (with the defaults, about a minute on a 2-core CPU)"
-    if vs and not masters: raise ValueError(f"vs={vs!r} times the lean masters' step of that checkout beside this one's: pass masters=True (`--masters`) with it.")
+    if vs and not masters: raise ValueError(f"vs={vs!r} times the lean masters' step of that checkout beside this one's: pass masters=True (`--masters true`) with it.")
     if threads: torch.set_num_threads(threads)
     sizes = [size] if size else [224] if torch.device(device).type == 'cuda' else [64, 128]
     vts = tuple(v.strip() for v in variants.split(',') if v.strip()) if variants else None
