@@ -24,8 +24,7 @@ from .bench_overhead import _sync
 from .cli_parser import cli_parser, dashed
 
 # %% auto #0
-__all__ = ['cpu_variants', 'cuda_variants', 'variant_label', 'run_variant', 'e2e_bench', 'machine_info', 'markdown_table',
-           'bench', 'bench_main']
+__all__ = ['cpu_variants', 'cuda_variants', 'variant_label', 'run_variant', 'e2e_bench', 'markdown_table', 'bench', 'bench_main']
 
 # %% ../../nbs/tools/22_bench.ipynb #2856216d
 cpu_variants = ('fp32', 'autocast_bf16', 'autocast_bf16_cl', 'ours_auto', 'ours_bf16', 'ours_bf16_unfused')
@@ -180,14 +179,6 @@ def e2e_bench(arch:str='resnet18', size:int=128, bs:int=32, steps:int=5, warmup:
                 targets={k: f'{op} {v}' for k,(op,v) in t.items()}, met=_judge(ratios, t))
 
 # %% ../../nbs/tools/22_bench.ipynb #eec74be9
-def machine_info(device='cpu')->dict:
-    "CPU model and class for half precision (and GPU name), core count, torch version"
-    c = detect('cpu')
-    res = dict(cpu=c.name, cpu_class=c.cpu_class, vector_isa=c.vector_isa, threads=torch.get_num_threads(), torch=torch.__version__)
-    if c.isa_limit: res['ONEDNN_MAX_CPU_ISA'] = c.isa_limit
-    if torch.device(device).type == 'cuda': res['gpu'] = torch.cuda.get_device_name(device)
-    return res
-
 def _f(v, fmt='.2f'): return '-' if v is None else f'{v:{fmt}}'
 
 def _e2e_table(e:dict)->list:

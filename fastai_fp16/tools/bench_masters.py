@@ -14,8 +14,7 @@ from fastai.learner import Learner
 import fastai_fp16.learner  # patches Learner.to_half (and names the package: its path for child processes)
 from ..masters import masters_modes
 from ..study.memory import PeakMemory, _mem_peak
-from .bench_overhead import SynthDL, SkipValid, StepTimer
-from .bench import machine_info
+from .bench_overhead import SynthDL, SkipValid, StepTimer, machine_info
 from .cli_parser import cli_parser, dashed
 
 # %% auto #0

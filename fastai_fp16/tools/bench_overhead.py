@@ -17,11 +17,11 @@ from fastai.torch_core import to_float
 from ..core import *
 from ..core import half_dtype
 from ..mixed_precision import ModelToHalf, BatchNormToFloat, MixedPrecision
-from ..hardware import assume_capabilities, cpu_caps
+from ..hardware import assume_capabilities, cpu_caps, detect
 
 # %% auto #0
 __all__ = ['half_params', 'median_ms', 'fastai_step_fn', 'ours_step_fn', 'overhead_bench', 'SynthDL', 'SkipValid', 'StepTimer',
-           'CallTimer', 'Autocast', 'stand_in_model', 'batch_overhead', 'fp32_plan_overhead']
+           'CallTimer', 'Autocast', 'stand_in_model', 'batch_overhead', 'fp32_plan_overhead', 'machine_info']
 
 # %% ../../nbs/tools/21_bench_overhead.ipynb #3562e00c
 def half_params(arch:str='resnet50', # a torchvision model name
@@ -211,3 +211,13 @@ def fp32_plan_overhead(sweeps:int=7, # fits of each, alternating; the figures ar
     ratio = lambda i: statistics.median(r['ours'][i] / r['fp32'][i] for r in runs)  # each sweep's pair, side by side
     return dict(fp32_ms=med('fp32', 0), auto_ms=med('ours', 0), ratio=ratio(0), fp32_wall_ms=med('fp32', 1), auto_wall_ms=med('ours', 1),
                 wall_ratio=ratio(1), callbacks_ms=med('ours', 2), sweeps=sweeps, batches=batches, threads=threads, runs=runs)
+
+# %% ../../nbs/tools/21_bench_overhead.ipynb #b21mach1
+def machine_info(device='cpu')->dict:
+    "CPU model and class for half precision (and GPU name), core count, torch version"
+    c = detect('cpu')
+    res = dict(cpu=c.name, cpu_class=c.cpu_class, vector_isa=c.vector_isa, threads=torch.get_num_threads(), torch=torch.__version__)
+    if c.isa_limit: res['ONEDNN_MAX_CPU_ISA'] = c.isa_limit
+    if torch.device(device).type == 'cuda': res['gpu'] = torch.cuda.get_device_name(device)
+    return res
+
