@@ -124,9 +124,9 @@ class RandomPool:
     def add_to(self, x:torch.Tensor)->torch.Tensor:
         "int32 `x` (contiguous) plus the stream's next `x.numel()` bits, each read signed plus 2**15 as `round_stochastic` adds them: in place, no copy"
         if self.wide is None: self.wide = self.bits.to(torch.int32).add_(0x8000)  # once a pool: each lap an int32 add, no temporary
-        o, k, w, bs = x.view(-1), 0, self.wide, self.bits.data_ptr()
+        o, k, w, b0 = x.view(-1), 0, self.wide, self.bits.storage_offset()
         for t in self._parts(x.numel()):
-            a = (t.data_ptr() - bs) // 2  # where the part lies in the pool
+            a = t.storage_offset() - b0  # where the part lies in the pool
             o[k:k+len(t)].add_(w[a:a+len(t)]); k += len(t)
         return x
 
