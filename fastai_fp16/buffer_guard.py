@@ -12,6 +12,12 @@ import torch, torch.nn as nn
 __all__ = ['BufferGuard', 'kept_fp32']
 
 # %% ../nbs/07_buffer_guard.ipynb #a7c1e006
+def _views(flat:torch.Tensor, ts:list)->list:
+    "Views of `flat`, one after another, shaped as `ts`"
+    res, k = [], 0
+    for t in ts: res.append(flat[k:k + t.numel()].view(t.shape)); k += t.numel()
+    return res
+
 class BufferGuard:
     "Snapshots of the buffers a training forward updates (BatchNorm's running stats...), put back when a step is skipped"
     def __init__(self,
@@ -22,17 +28,22 @@ class BufferGuard:
         for mn,m in model.named_modules():
             for n,b in m._buffers.items():
                 if b is not None and id(b) not in seen: seen.add(id(b)); self.keys.append((f"{mn}.{n}" if mn else n, m, n))
-        self.learning, self._cur, self._snaps, self._vers, self._groups = learn, [], [], None, []
+        self.learning, self._cur, self._snaps, self._vers, self._groups, self._tmp = learn, [], [], None, [], None
 
     @property
     def names(self)->list: return [k for k,_,_ in self.keys]
 
     def _regroup(self):
-        "(snapshots, buffers) of each dtype and device: torch's fused copy takes one dtype per call (else a copy per tensor)"
-        gs = {}
-        for s,c in zip(self._snaps, self._cur):
-            snaps, bufs = gs.setdefault((c.dtype, c.device), ([], [])); snaps.append(s); bufs.append(c)
-        self._groups = list(gs.values())
+        "(snapshots, buffers, their indices, the snapshots' flat memory) of each dtype and device: torch's fused copy takes one dtype per call (else a copy per tensor)"
+        gs, self._groups, self._tmp = {}, [], None
+        for i,c in enumerate(self._cur): gs.setdefault((c.dtype, c.device), []).append(i)
+        for idx in gs.values():  # the snapshots of a group views of one tensor: `restore_where` selects on it whole
+            cs = [self._cur[i] for i in idx]
+            flat = torch.empty(sum(c.numel() for c in cs), dtype=cs[0].dtype, device=cs[0].device)
+            views = _views(flat, cs)
+            with torch.no_grad(): torch._foreach_copy_(views, [self._snaps[i] for i in idx])  # what they held
+            for i,v in zip(idx, views): self._snaps[i] = v
+            self._groups.append((views, cs, idx, flat))
 
     def snapshot(self):
         "Copy the guarded buffers into preallocated snapshots: one fused copy per dtype, no host sync"
@@ -43,7 +54,7 @@ class BufferGuard:
                            else torch.empty_like(c) for s,c in zip(old, cur)]
             self._cur = cur; self._regroup()
         with torch.no_grad():
-            for snaps,bufs in self._groups: torch._foreach_copy_(snaps, bufs)
+            for snaps,bufs,_,_ in self._groups: torch._foreach_copy_(snaps, bufs)
         if self.learning: self._vers = [c._version for c in cur]
 
     def learn_mutated(self)->list:
@@ -61,10 +72,22 @@ class BufferGuard:
         self._regroup()
         return self.names
 
+    def restore_where(self, found:torch.Tensor): # 1 element, on the buffers' device: non-zero puts them back
+        "`restore` where `found` says so, decided on the device (a step skipped there): a few ops per dtype, no host sync"
+        now = [m._buffers[n] for _,m,n in self.keys]
+        if self._tmp is None: self._tmp = [(f, _views(f, cs)) for f,cs in ((torch.empty_like(flat), cs) for _,cs,_,flat in self._groups)]
+        with torch.no_grad():
+            put = found.to(torch.bool)
+            for (_, _, idx, flat), (tmp, tv) in zip(self._groups, self._tmp):
+                bufs = [now[i] for i in idx]  # a buffer the forward reassigned: the new tensor takes the values
+                torch._foreach_copy_(tv, bufs)
+                torch.where(put, flat, tmp, out=tmp)
+                torch._foreach_copy_(bufs, tv)
+
     def restore(self):
         "Put the guarded buffers back to the last snapshot: one fused copy per dtype, no host sync"
         with torch.no_grad():
-            for snaps,bufs in self._groups: torch._foreach_copy_(bufs, snaps)
+            for snaps,bufs,_,_ in self._groups: torch._foreach_copy_(bufs, snaps)
         for (_,m,n),c in zip(self.keys, self._cur):
             if m._buffers[n] is not c: m._buffers[n] = c  # reassigned by the forward: the tensor it replaced is put back
 

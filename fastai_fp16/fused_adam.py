@@ -9,7 +9,7 @@ import torch
 from fastai.optimizer import Optimizer, OptimWrapper, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, adam_step
 
 # %% auto #0
-__all__ = ['fastai_adam_kind', 'fused_adam_target', 'fused_adam_supported', 'fused_adam_step', 'use_fused_adam',
+__all__ = ['fastai_adam_kind', 'fused_adam_target', 'fused_adam_supported', 'DeviceSteps', 'fused_adam_step', 'use_fused_adam',
            'unuse_fused_adam', 'fp32_states']
 
 # %% ../nbs/09a_fused_adam.ipynb #711cbf59
@@ -62,9 +62,36 @@ def _like(t, p):
     "`t` with the strides and dtype of `p`: the kernel walks every tensor of a param in one memory order, in one dtype"
     return t if t.stride() == p.stride() and t.dtype == p.dtype else torch.empty_like(p).copy_(t)
 
+class DeviceSteps:
+    "A step skipped or taken as the device decides, as torch's fused optimizers take it: the flag the kernel reads, and each param's step count on the device"
+    def __init__(self, dev): # the params' device
+        self.found = torch.zeros(1, device=dev)  # this step's flag: 1 leaves every param and state as they are
+        self.ok = torch.ones((), device=dev)  # 1 - found: what each step count moves by
+        self.counts = {}  # id(p): (p, its state, its step count: a 0-dim fp32 on the device)
+    def count(self, p, st:dict)->torch.Tensor:
+        "`p`'s step count on the device, made from its state's int (the steps before) where there is none for this state yet"
+        c = self.counts.get(id(p))
+        if c is None or c[1] is not st: c = self.counts[id(p)] = (p, st, torch.full((), float(st.get('step', 0)), dtype=torch.float32, device=p.device))
+        return c[2]
+    def advance(self, ts:list): # step counts (`count`)
+        "This step's counts: one more where the step runs (one multi-tensor add)"
+        if ts: torch._foreach_add_(ts, [self.ok] * len(ts))  # a list: a 0-dim tensor alone would be read as a number (a host read)
+    def forget(self, ps:list):
+        "`ps` stepped by a path that counts on the host: their ints are right, no device count of theirs stays"
+        for p in ps: self.counts.pop(id(p), None)
+    def found_now(self, ps:list)->bool: # params a path steps with host counts (their device counts dropped)
+        "Whether the step is skipped, read on the host: for a path that cannot take the flag"
+        self.forget(ps)
+        return bool(self.found)  # a host read, on such a path only
+    def settled(self, vals:list): # the counts' values (read by the caller in its one host read), in `counts`' order
+        "Each counted param's int step count in its state, as fastai keeps it; the device counts dropped"
+        for (p, st, _), v in zip(list(self.counts.values()), vals): st['step'] = int(v)
+        self.counts = {}
+
 def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) over fp32 params
                     kind:str='adamw', # what `fastai_adam_kind(opt)` returned
                     items:list|None=None, # (fp32 tensor, its state, its group's index) to step instead (`LeanMasters`'s pieces); None: `opt`'s params
+                    steps:DeviceSteps|None=None, # the device decides whether the step runs (`steps.found`): step counts on the device
                    ):
     "One step of fastai's `Adam` on `opt`'s params that have grads, in torch's fused kernel, state in fastai's format"
     if items is None:  # as fastai's `all_params(with_grad=True)`
@@ -75,20 +102,23 @@ def fused_adam_step(opt:Optimizer, # a fastai `Adam` (see `fastai_adam_kind`) ov
         # a state saved in another memory format (resumed with channels_last) or kept bf16 (`opt_states='bf16'`): made
         # like its param once, else the CUDA kernel refuses it and the CPU one misreads it
         for k in ('grad_avg', 'sqr_avg'): st[k] = torch.zeros_like(p) if st.get(k) is None else _like(st[k], p)
-        st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
+        c = None if steps is None else steps.count(p, st)  # the steps before this one
+        st['step'] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it (with `steps`: the steps tried, made right when read)
         wd = float(opt.hypers[i]['wd']) if st.get('do_wd', True) else 0.
-        buckets.setdefault((i, st['step'], wd, p.device), []).append((p, st))
+        buckets.setdefault((i, None if steps else st['step'], wd, p.device), []).append((p, st, c))
+    if steps is not None: steps.advance([c for pss in buckets.values() for *_, c in pss])
     for (i, step, wd, dev), pss in buckets.items():
-        ps, sts, hyper = [p for p,_ in pss], [s for _,s in pss], opt.hypers[i]
+        ps, sts, hyper = [p for p,*_ in pss], [s for _,s,_ in pss], opt.hypers[i]
+        # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
+        counts = [c for *_, c in pss] if steps else [torch.full((), float(step), dtype=torch.float32, device=dev)]*len(ps)
         with torch.no_grad():
             fused(ps, [_like(p.grad, p) for p in ps], [s['grad_avg'] for s in sts], [s['sqr_avg'] for s in sts], [],
-                  # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
-                  [torch.full((), float(step), dtype=torch.float32, device=dev)]*len(ps), lr=float(hyper['lr']),
-                  beta1=float(hyper['mom']), beta2=float(hyper['sqr_mom']), weight_decay=wd, eps=float(hyper['eps']),
-                  amsgrad=False, maximize=False)
+                  counts, lr=float(hyper['lr']), beta1=float(hyper['mom']), beta2=float(hyper['sqr_mom']), weight_decay=wd,
+                  eps=float(hyper['eps']), amsgrad=False, maximize=False, found_inf=None if steps is None else steps.found)
 
 # %% ../nbs/09a_fused_adam.ipynb #f4a5c16d
 def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params, or a wrapper of one (`Lookahead`)
+                   steps:DeviceSteps|None=None, # the device decides whether each step runs (see `fused_adam_step`)
                   )->Optimizer:
     "Make the step of `fused_adam_target(opt)` the fused one (this instance only); its params must be fp32"
     tgt = fused_adam_target(opt)
@@ -101,7 +131,7 @@ def use_fused_adam(opt:Optimizer, # fastai's `Adam` over fp32 params, or a wrapp
                              "does, at rest) or keep the optimizer's own `step`.")
     def step(closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers do not support closure")
-        fused_adam_step(tgt, kind)
+        fused_adam_step(tgt, kind, steps=steps)
     tgt.step = step  # a wrapper's own `step` calls it
     return opt
 
@@ -130,11 +160,12 @@ def _fused_step_ok(opt, # the fit's optimizer
     return why is None
 
 def _step_with(run, # a fit's state (`MixedPrecision._run`): its `opt` and whether it is `fused`
-               opt, dev:torch.device, asked:bool|None, master_weights:bool=True): # as `_fused_step_ok` takes them
+               opt, dev:torch.device, asked:bool|None, master_weights:bool=True, # as `_fused_step_ok` takes them
+               steps:DeviceSteps|None=None): # where the device is to decide whether a fused step runs
     "`run` steps with `opt` (the fit's, or a new one: `learn.export` makes one mid-fit), fused where it can be"
     if getattr(run, 'fused', False): unuse_fused_adam(run.opt)  # the one before gets its own step back
     run.fused = _fused_step_ok(opt, dev, asked, master_weights)
-    if run.fused: use_fused_adam(opt)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
+    if run.fused: use_fused_adam(opt, steps)  # this optimizer instance (a `Lookahead`'s inner `Adam`), until `after_fit`
     if master_weights: fp32_states(opt)
     run.opt = opt
 

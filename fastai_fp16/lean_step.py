@@ -5,6 +5,7 @@
 # %% ../nbs/09bb_lean_step.ipynb #9bb00003
 from __future__ import annotations
 import torch
+from .fused_adam import DeviceSteps
 from .pieces import opt_state, pieces, Piece, Workspace, RandomPool
 from .writes import raw
 
@@ -140,28 +141,35 @@ class LeanStep:
 
     def step(self, opt, # the fit's optimizer: fastai's `Adam` (see `fastai_adam_kind`)
              kind:str, # 'adamw' (decoupled weight decay) or 'adam'
-             found_inf:torch.Tensor|None=None, # 1-element fp32: the kernel leaves every param as it is where it holds 1
+             steps:DeviceSteps|None=None, # the device decides whether the step runs (`steps.found`): step counts on the device
             )->bool: # False where the lists cannot be made (nothing done): the caller steps piece by piece
-        "One step of fastai's `Adam` (`kind` 'adamw' or 'adam') on every param of `opt` with a grad (`found_inf`: the kernel skips it where 1); False, having done nothing, where it cannot"
+        "One step of fastai's `Adam` (`kind` 'adamw' or 'adam') on every param of `opt` with a grad (with `steps`: as the device decides); False, having done nothing, where it cannot"
         if not _same(self.key, self._key(opt)):
             if not self._ready(opt): self.key = None; return False
             self._make(opt)
-        sts, steps, made = opt_state(opt), {}, {}
+        sts, ns, made, dc = opt_state(opt), {}, {}, {}
         for p in self.key[2::7]:
-            st = sts[p]; st['step'] = steps[id(p)] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it
+            st = sts[p]
+            if steps is not None: dc[id(p)] = steps.count(p, st)  # the steps before this one, on the device
+            st['step'] = ns[id(p)] = st.get('step', 0) + 1  # an int, as `step_stat` keeps it (with `steps`: the steps tried)
+        if steps is not None: steps.advance(list(dc.values()))
         fused = torch._fused_adamw_ if kind == 'adamw' else torch._fused_adam_
         for c in self.chunks:
             self._widen(c)
             try:
                 for (i, do_wd), (ps, w, g, m, v) in c.fused_groups().items():
                     h = opt.hypers[i]
-                    for n, idx in _by_step(ps, steps).items():
+                    if steps is not None:  # each param's own count; the kernel reads the flag
+                        fused(w, g, m, v, [], [dc[id(p)] for p in ps], lr=float(h['lr']), beta1=float(h['mom']), beta2=float(h['sqr_mom']),
+                              weight_decay=float(h['wd']) if do_wd else 0., eps=float(h['eps']), amsgrad=False, maximize=False, found_inf=steps.found)
+                        continue
+                    for n, idx in _by_step(ps, ns).items():
                         # the kernel reads each step count as a float32 on the param's device, whatever the default dtype
                         t = made[n] = made.get(n) if n in made else torch.full((), float(n), dtype=torch.float32, device=w[0].device)
                         sel = (lambda xs: xs) if idx is None else (lambda xs, idx=idx: [xs[j] for j in idx])
                         fused(sel(w), sel(g), sel(m), sel(v), [], [t]*len(sel(w)), lr=float(h['lr']), beta1=float(h['mom']),
                               beta2=float(h['sqr_mom']), weight_decay=float(h['wd']) if do_wd else 0., eps=float(h['eps']),
-                              amsgrad=False, maximize=False, found_inf=found_inf)
+                              amsgrad=False, maximize=False)
             finally: self._narrow(c)  # put back even if the step raised: no param is left half-way
         return True
 

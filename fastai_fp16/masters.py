@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import ctypes, torch, torch.nn as nn
 import torch.distributed as dist
 from fastcore.basics import patch
-from .fused_adam import fastai_adam_kind, unuse_fused_adam, _fused_step_ok
+from .fused_adam import fastai_adam_kind, unuse_fused_adam, DeviceSteps, _fused_step_ok
 from .pieces import opt_kind, opt_state, elementwise, pieces, piece_state, put_state, step_pieces, Workspace, RandomPool, _per_element
 from .writes import Writes, raw, _blockwise
 from .bit_check import check_bit_ops
@@ -110,6 +110,7 @@ def _trim(ps:list):
 class LeanMasters:
     "A bf16 fit's fp32 masters in fewer bytes: each param bf16 at rest, what makes it its fp32 value kept beside it; the optimizer steps fp32 values, a chunk at a time"
     chunk = None  # elements widened to fp32 at once, a big param in slices where it can; None: fastai's `Adam` as `chunk_elements` says (an 8 MiB workspace on a CPU), other optimizers a 64th of the lean params (at least 2**18)
+    dsteps = None  # `DeviceSteps`: the device decides whether fastai's `Adam`, fused, steps (`use_lean_masters`)
     def __init__(self,
         mode:str, # 'split', 'kahan' or 'stochastic' (see `masters_modes`)
         opt_states:str='fp32', # the optimizer's averages at rest: 'fp32', or 'bf16' (widened for each step)
@@ -261,7 +262,8 @@ def step(self:LeanMasters, opt):
     self.steps += 1
     # a step that gives each chunk's memory back and takes it again leaves the heap high: one workspace, reused
     with torch.no_grad():
-        if self.fused and self.fast.step(opt, self.fused): chs = []  # fastai's `Adam`: a few ops a chunk
+        if self.fused and self.fast.step(opt, self.fused, self.dsteps): chs = []  # fastai's `Adam`: a few ops a chunk
+        elif self.dsteps is not None and self.dsteps.found_now([p for pg in opt.param_lists for p in pg]): chs = []  # the lists cannot be made (a grad of an odd layout)
         else: chs = pieces(opt, chunk, lambda p: ew and id(p) in self.ids and self._sliceable(p))
         for ch in chs:
             self.ws.reset(ch[0].p.device)
@@ -277,9 +279,10 @@ def step(self:LeanMasters, opt):
 
 def use_lean_masters(opt, # the fit's optimizer
                      lean:LeanMasters, # made for it (`begin`)
-                     fused:str|None=None): # `fastai_adam_kind(opt)` to step fastai's `Adam` in the fused kernel
+                     fused:str|None=None, # `fastai_adam_kind(opt)` to step fastai's `Adam` in the fused kernel
+                     steps:DeviceSteps|None=None): # with `fused`: the device decides whether each step runs
     "`opt.step` steps through `lean` (this instance only, until `unuse_fused_adam`)"
-    lean.fused = fused
+    lean.fused, lean.dsteps = fused, steps if fused else None
     def step(closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers do not support closure")
         lean.step(opt)
@@ -296,10 +299,10 @@ def _lean_for(mp, r)->LeanMasters:
     if ps: check_bit_ops(ps[0].device, mp.masters, (split_into, join_into, round_stochastic))  # as a CPU's (once a process), before any change
     return mp.lean.begin(learn.opt, ps)  # `mp`'s own, kept over fits with its step count
 
-def _step_lean(run, opt, dev:torch.device, asked:bool|None, master_weights:bool=True):
+def _step_lean(run, opt, dev:torch.device, asked:bool|None, master_weights:bool=True, steps:DeviceSteps|None=None):
     "`run` steps `opt` (the fit's, or a new one) through its `LeanMasters`, fastai's `Adam` in the fused kernel where it can"
     if run.opt is not None: unuse_fused_adam(run.opt)
     if opt is not run.lean.opt: check_lean_opt(opt, run.lean.mode)
     run.fused = _fused_step_ok(opt, dev, asked, master_weights, lean=True)
-    use_lean_masters(opt, run.lean, fastai_adam_kind(opt) if run.fused else None)
+    use_lean_masters(opt, run.lean, fastai_adam_kind(opt) if run.fused else None, steps)
     run.opt = opt

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr
 from fastcore.foundation import L
-from fastai.callback.core import Callback, CancelStepException
+from fastai.callback.core import Callback
 from fastai.callback.mixup import MixHandler
 from .core import *
 from .scaler import *
-from .scaler import _scaler_for, _count_skip, _Search, older_names
+from .scaler import _scaler_for, _Search, older_names
 from .report import SmoothedLoss, skip_summary, is_logging, warn_user, say
 from .buffer_guard import BufferGuard
 from .half_model import *
@@ -24,6 +24,7 @@ from .fit_guard import _role, _in_fit
 from .fused_adam import _fused_step_ok, _step_with, unuse_fused_adam
 from .window import _gan, _compress, _AtRest, _InLoss  # and fastai's backward in the window (`Learner._backward`)
 from .masters import LeanMasters, check_masters, _lean_for, _step_lean
+from .device_skip import DeviceSkip, device_decides, scale_now, settle, step_on_host, step_on_device
 
 # %% auto #0
 __all__ = ['MixedPrecision']
@@ -31,7 +32,7 @@ __all__ = ['MixedPrecision']
 # %% ../nbs/02_mixed_precision.ipynb #4e07e4b9
 class _Run:
     "A fit's state (`MixedPrecision._run`), from `before_fit` to `after_fit`; `_setup` adds the step's at the first training batch"
-    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth, search = False, None, None, True, None, (), None, None, None, False, None, (), None, None, None
+    ready, guard, gm, fresh, loss_bad, gan, opt, ddp, yb, said, pkey, ps, lean, smooth, search, dev, nback, mark = False, None, None, True, None, (), None, None, None, False, None, (), None, None, None, None, 0, None
     def __init__(self, dt, mth): self.dt, self.mth, self.off, self.rest = dt, mth, dt == torch.float32, None
 
 class MixedPrecision(Callback):
@@ -74,7 +75,7 @@ class MixedPrecision(Callback):
         store_attr('master_weights,clip,loss_fp32,guard_buffers,fused_step,masters,opt_states')
         self.lean = LeanMasters(masters, opt_states) if masters != 'fp32' else None  # kept over fits: its step count too
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = self.skipped_search = 0  # `skipped_search`: of the overflow skips, the scale's normal search
-        self.scales = L()
+        self._scales = L()
 
     def _make_scaler(self, dtype)->LossScaler: return _scaler_for(dtype, **self._scaler_kw)  # `dtype`'s defaults for what is None
     def _for_dtype(self, d:torch.dtype):
@@ -87,12 +88,22 @@ class MixedPrecision(Callback):
         self.scaler, self._scaler_dtype = new, d
 
     @property
-    def loss_scale(self)->float: return self.scaler.scale
+    def loss_scale(self)->float:
+        "The loss scale now (what the device decided read first, where it decides)"
+        self._settle(); return self.scaler.scale
+    @property
+    def scales(self)->L:
+        "The loss scale of each backward of the fit (what the device decided read first, where it decides)"
+        self._settle(); return self._scales
+    def _scale_now(self): return scale_now(self)  # no host read: the device's tensor where a dynamic scale moves there
+    def _settle(self, quiet:bool=False): settle(self, quiet)  # what the device decided, read and told (once, where it decides)
     def master(self, p:torch.Tensor)->torch.Tensor:
         "`p`'s fp32 value, as the optimizer steps it: a new fp32 tensor for a lean param (bf16 in a fit with `masters='split'`...), else `p`"
         lean = getattr(self._run, 'lean', None)
         return p if lean is None else lean.master(p)
-    def state_dict(self)->dict: return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': getattr(self.lean, 'steps', 0)}
+    def state_dict(self)->dict:
+        self._settle()
+        return {'scaler': self.scaler.state_dict(), 'dtype': str(self._scaler_dtype), 'lean_steps': getattr(self.lean, 'steps', 0)}
     def _checked_state(self, sd:dict)->tuple:
         "(scaler state, dtype) that loading `sd` sets, both checked first: raises, naming the entry, if refused"
         dts, dt = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32)}, sd.get('dtype') if isinstance(sd, dict) else None
@@ -150,7 +161,8 @@ class MixedPrecision(Callback):
         r = self._run
         if r is not None and not r.ready and (not r.off or _in_fit(self.learn)): self._setup()
     def after_train(self):
-        if getattr(self._run, 'smooth', None) is not None: self._run.smooth.put_back()  # before fastai's Recorder logs it
+        self._settle()  # the epoch's steps decided on the device: read once, told before fastai's Recorder logs
+        if getattr(self._run, 'smooth', None) is not None: self._run.smooth.put_back()
 
     def _setup(self):
         "What the fit's steps need, made at its first training batch: `validate` and `get_preds` need none of it"
@@ -158,7 +170,7 @@ class MixedPrecision(Callback):
         if learn.opt is None: return  # events run by hand without an optimizer (fastai's MixUp preview): nothing will step
         dev = _model_device(learn.model)
         self._use_opt(learn.opt, dev)  # before anything else: a refusal leaves nothing to undo
-        r.ready, self.scales = True, L()
+        r.ready, self._scales = True, L()
         self.skipped = self.skipped_overflow = self.skipped_bad_loss = self.skipped_search = 0
         for p in learn.model.parameters(): p.grad = None  # a fit starts with no grads
         r.found_inf, r.inv_scale, r.one = torch.zeros(2, device=dev), torch.full((1,), 1./self.loss_scale, device=dev), torch.ones(1, device=dev)
@@ -166,8 +178,11 @@ class MixedPrecision(Callback):
 
     def _use_opt(self, opt, dev):  # fused where it can be; through the lean masters where they are; the fp32 plan's as it is
         r = self._run
-        if r.off: r.opt = opt
-        else: (_step_lean if r.lean else _step_with)(r, opt, dev, self.fused_step, self.master_weights)
+        self._settle()  # a new optimizer mid-fit: the old one's step counts as the device left them
+        if r.off: r.opt = opt; return
+        d = DeviceSkip(dev, self.scaler) if device_decides(self.learn, self, opt, dev) else None
+        (_step_lean if r.lean else _step_with)(r, opt, dev, self.fused_step, self.master_weights, d)
+        r.dev = d if getattr(r, 'fused', False) else None  # the fused kernel takes the flag: no host read a step
     @property
     def fused(self)->bool:
         "Whether this fit steps fastai's `Adam` in torch's fused kernel"
@@ -188,7 +203,7 @@ class MixedPrecision(Callback):
         if self.training: self._before_train_batch(r, self.learn.model)
         self._fly()
     def _before_train_batch(self, r, m):
-        if r.ready and r.fresh: r.smooth.mark()  # fastai's smoothed loss before this step's batches
+        if r.ready and r.fresh: r.mark = r.smooth.mark(gate=r.dev is not None)  # fastai's smoothed loss before this step's batches
         if r.ready and r.fresh and self.guard_buffers:  # before a step's first forward
             if r.gm is not m: r.guard, r.gm = BufferGuard(m, learn=self.guard_buffers != 'all'), m  # the fit's model, or a new one
             r.guard.snapshot()
@@ -227,15 +242,17 @@ class MixedPrecision(Callback):
         if r is None or r.off: return
         self._land()
         # a forward at rest before the step (SAM's, in fp32) unscales the grads first: its backward adds unscaled ones
-        if r.rest is not None and self.training and self.loss_scale != 1: r.rest.watch(self.learn.model)
+        if r.rest is not None and self.training and (r.dev is not None and r.dev.scale is not None or self.scaler.scale != 1): r.rest.watch(self.learn.model)
 
     def before_backward(self):
         r = self._run
         if not getattr(r, 'ready', False): return
         bad = torch.isfinite(self.loss_grad.detach()).all().logical_not()
         r.loss_bad = bad if r.loss_bad is None else r.loss_bad | bad  # over all the micro-batches of a step
-        self.scales.append(self.loss_scale)
-        if self.loss_scale != 1.: self.learn.loss_grad = self.loss_grad * self.loss_scale
+        s = self._scale_now()
+        if r.dev is None: self._scales.append(s)
+        else: r.nback += 1  # its scale told when the device's decisions are read
+        if isinstance(s, torch.Tensor) or s != 1.: self.learn.loss_grad = self.loss_grad * s
 
     def after_backward(self):
         r = self._run
@@ -249,29 +266,16 @@ class MixedPrecision(Callback):
         if not getattr(r, 'ready', False): return
         r.stepped = False
         if self.learn.opt is not r.opt: self._use_opt(self.learn.opt, _model_device(self.learn.model))
-        fi, rest = r.found_inf, r.rest
+        fi, rest, s = r.found_inf, r.rest, self._scale_now()
         if rest is not None: rest.stop()
         if rest is None: fi.zero_(); nonfinite_(self._grads(), fi[:1], r.one)  # the fp32 plan: checked, nothing to unscale
         elif rest.done: unscale_grads_(self._grads(), r.one, fi[:1], 1.)  # unscaled at a forward at rest: the new grads checked too
-        else: fi.zero_(); unscale_grads_(self._grads(), r.inv_scale, fi[:1], self.loss_scale)
+        else: fi.zero_(); unscale_grads_(self._grads(), r.inv_scale, fi[:1], s if isinstance(s, float) else None)
         if rest is not None: rest.done = False
         if r.loss_bad is not None: fi[1:].copy_(r.loss_bad)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(fi, op=dist.ReduceOp.MAX)  # every rank skips if any rank overflowed
-        overflow, bad_loss = fi.tolist()  # our one host sync of the step
-        old = self.loss_scale
-        if overflow or bad_loss:
-            _count_skip(self, bool(bad_loss))
-            if bad_loss: r.smooth.skipped()  # the table's train_loss leaves this step's batches out
-            if r.guard is not None: r.guard.restore()  # the forward's BatchNorm stats etc., as before the step
-            try: self.scaler.update(found_inf=True, bad_loss=bool(bad_loss))
-            finally: self._refresh_inv_scale(old, False)
-            raise CancelStepException()
-        if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in self.learn.model.parameters() if p.grad is not None], self.clip, foreach=True)
-        self.scaler.update(found_inf=False)
-        self._refresh_inv_scale(old, True)
-        r.stepped = True
+        (step_on_host if r.dev is None else step_on_device)(self, fi)  # skip or step: read on the host, or the fused kernel reads the flag
 
     def _grads(self)->list: return [p.grad for p in self._opt_params() if p.grad is not None]
     def _opt_params(self)->list:
@@ -281,10 +285,6 @@ class MixedPrecision(Callback):
         if key != r.pkey: r.pkey, r.ps = key, list({id(p): p for pg in pls for p in pg}.values())
         return r.ps
 
-    def _refresh_inv_scale(self, old, clean:bool):
-        self._run.search.moved(self.scaler, old, clean)  # which later overflow skips are the scale's search
-        if self.loss_scale != old: self._run.inv_scale.fill_(1./self.loss_scale)
-
     def after_step(self):
         r = self._run
         if getattr(r, 'ready', False): r.fresh, r.loss_bad = True, None  # the next backward starts a new step's grads
@@ -292,6 +292,7 @@ class MixedPrecision(Callback):
     def after_fit(self):
         self._depth = getattr(self, '_depth', 1) - 1
         if self._depth > 0: return
+        self._settle()
         if getattr(self._run, 'ready', False) and is_logging(self.learn):  # text below the table, not a row for fastai's loggers
             if (line := skip_summary(self.skipped, self.skipped_overflow, self.skipped_bad_loss, self.skipped_search, self.loss_scale)): say(line, self.learn)
         self._fp16_cleanup()
@@ -299,6 +300,7 @@ class MixedPrecision(Callback):
     def _fp16_cleanup(self):
         "Hooks off, the model at rest, the optimizer's own step back; run state dropped"
         r = self._run
+        if r is not None: self._settle(quiet=True)  # the step counts as ints in fastai's state, however the fit ended
         if r is not None and not r.off:
             self._land()
             if r.gan: r.gan.stop()

@@ -77,11 +77,39 @@ class SmoothedLoss:
         rec = getattr(self.learn, 'recorder', None)
         sl = getattr(rec, 'smooth_loss', None)
         return (rec, sl) if hasattr(sl, 'val') and hasattr(sl, 'count') and isinstance(getattr(rec, 'losses', None), list) else (None, None)
-    def mark(self):
+    def mark(self, gate:bool=False # the step before was decided on the device: `gate` first
+            )->tuple|None: # what is kept: (the smoothed loss, fastai's count, the curve's length)
         "A step's first batch starts: remember the smoothed loss (no copy: fastai replaces `val` at each batch)"
+        if gate: self.gate()
         self.put_back()
         rec, sl = self._rec()
         self.kept = None if rec is None else (sl.val, sl.count, len(rec.losses))
+        return self.kept
+    def gate(self):
+        "The smoothed loss as at the last mark where it is inf/NaN now: a step whose loss was (skipped on the device) leaves it, read later (`dropped`); no host read"
+        rec, sl = self._rec()
+        if rec is None or self.kept is None or not isinstance(sl.val, torch.Tensor) or not isinstance(self.kept[0], torch.Tensor): return
+        sl.val = torch.where(torch.isfinite(sl.val), sl.val, self.kept[0])  # fastai's `val` is on the CPU (`to_detach`)
+    def dropped(self, mark:tuple|None, # what `mark` kept at the step's first batch
+                end:int|None=None, # the curve's length at the next step's mark (None: now)
+                before:int=0, # batches of such steps dropped since the fit began, which fastai's count still holds
+               )->int: # the batches dropped
+        "A step skipped on the device for an inf/NaN loss, read later: its batches out of fastai's count and the curve, as `put_back` leaves them"
+        rec, sl = self._rec()
+        if rec is None or mark is None: return
+        _, count, n = mark
+        end = len(rec.losses) if end is None else end
+        sl.count -= end - n  # fastai counted each of its batches
+        if count - before:  # the curve flat over them at the value before
+            rec.losses[n:end] = [rec.losses[n-1]] * (end - n)
+        elif self.hole is None: self.hole = (n, end)  # nothing trained yet: the first point after them, once there is one
+        else: self.hole = (self.hole[0], end)
+        return end - n
+    def settled(self):
+        "After `dropped`: the last step's batches gated too, the hole filled where it can be, `learn.smooth_loss` as fastai's smoothed loss says now"
+        self.gate(); self.put_back()
+        rec, sl = self._rec()
+        if rec is not None and sl.count and hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = sl.value
     def skipped(self):
         "This step is skipped for an inf/NaN loss: its batches leave the smoothed loss (once fastai has recorded them)"
         self.drop = self.kept is not None

@@ -153,7 +153,8 @@ class _Search:
         elif s.scale < old and self.grown: self.allow = False  # the probe's back-off: a second before the next growth is news
 
 def _count_skip(mp, # the `MixedPrecision` whose step was skipped
-                bad_loss:bool): # skipped for a non-finite loss (else a grad overflow)
+                bad_loss:bool, # skipped for a non-finite loss (else a grad overflow)
+                at:tuple|None=None): # (epoch, batch) of the step, where it is told later (decided on the device); None: now
     "Count a skipped step by its cause (before the scaler moves); a non-finite loss is said once a fit"
     mp.skipped += 1
     r = mp._run
@@ -164,7 +165,8 @@ def _count_skip(mp, # the `MixedPrecision` whose step was skipped
     mp.skipped_bad_loss += 1
     if r.said or hasattr(mp.learn, 'lr_finder'): return  # `lr_find`'s trial steps diverge on purpose
     r.said = True
-    warn_user(f"fastai_fp16: the loss was inf or NaN at epoch {mp.epoch}, batch {mp.iter}: that step was skipped "
+    epoch, it = at or (mp.epoch, mp.iter)
+    warn_user(f"fastai_fp16: the loss was inf or NaN at epoch {epoch}, batch {it}: that step was skipped "
               "and the weights left as they were. Look at that batch's data (or lower the learning rate); "
               "`learn.mixed_precision.skipped_bad_loss` counts such steps. Said once a fit.", learn=mp.learn)
 

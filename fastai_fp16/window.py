@@ -63,10 +63,11 @@ class _AtRest:
         if self.done or r.mth.in_flight or not torch.is_grad_enabled(): return  # in the window, or no backward to come
         self.done = True
         r.found_inf.zero_()
-        unscale_grads_(mp._grads(), r.inv_scale, r.found_inf[:1], mp.loss_scale)  # checked: `before_step` reads the flag
+        s = mp._scale_now()  # no host read: the device's tensor where a dynamic scale moves there
+        unscale_grads_(mp._grads(), r.inv_scale, r.found_inf[:1], s if isinstance(s, float) else None)  # checked: `before_step` takes the flag
     def rescale(self):
         "A further micro-batch's backward (gradient accumulation) comes scaled: the grads unscaled at rest scaled back"
-        if self.done: torch._foreach_mul_(self.mp._grads(), self.mp.loss_scale); self.done = False
+        if self.done: torch._foreach_mul_(self.mp._grads(), self.mp._scale_now()); self.done = False
 
 # %% ../nbs/02a_window.ipynb #a7e1c006
 def _landing(bw):

@@ -141,7 +141,7 @@ def test_old_names_in_a_fresh_interpreter():
 # 53 took out the window's hooks (`run_fp32`, `Fp32Hooks`, `land_buffers`: nothing is put on the model any more) and added fp32
 # math's functional forms; issue 56's `to_float` makes bf16 optimizer states fp32 with `fp32_states`; issue 62's doctor
 # advises from `measure_auto` (`advice`)
-ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'EMA',
+ALL_NAMES = ['AutoChannelsLast', 'Autocast', 'BatchNormToFloat', 'BufferGuard', 'CallTimer', 'Capabilities', 'ConvFp32', 'DeviceSteps', 'EMA',
     'LinearFp32', 'LossScaleError', 'LossScaler', 'MixedPrecision', 'ModelToHalf', 'PeakMemory', 'PrecisionMonitor',
     'PrecisionPlan', 'PrecisionReport', 'RECIPES', 'SkipValid', 'StepTimer', 'SynthDL', 'adam_variants', 'advice', 'archs',
     'assume_capabilities', 'batch_overhead', 'bench', 'bench_main', 'bench_shape', 'bf16_kahan', 'bf16_master', 'bf16_nomaster',

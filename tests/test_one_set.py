@@ -134,11 +134,13 @@ class SyncCount(Callback):
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 @pytest.mark.parametrize('acc', [False, True])
-def test_one_host_sync_per_step(dtype, acc):
+def test_no_host_sync_a_step(dtype, acc):
     from fastai.callback.training import GradientAccumulation
     sc = SyncCount()
     learn, _ = _fit(dtype, [sc] + ([GradientAccumulation(32)] if acc else []), epochs=2, lr=1e-3, opt_func=Adam)
-    assert sc.steps == (6 if acc else 12) and sc.n == sc.steps + 1  # one a step; and once a fit, the buffers a forward changes
+    # fastai's `Adam` steps in the fused kernel, which reads the skip flag on the device: one read at each epoch's end (what
+    # the device decided, told), and once a fit the buffers a forward changes; none a step (issue 63)
+    assert sc.steps == (6 if acc else 12) and sc.n == 2 + 1
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 def test_torch_compile_compiles_no_more_than_fp32(dtype):

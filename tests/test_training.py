@@ -1,4 +1,5 @@
 "Issue 2: the callbacks inside real fits"
+import math
 import torch, torch.nn as nn, pytest
 from sklearn.datasets import load_digits
 from fastai.learner import Learner
@@ -49,8 +50,10 @@ def test_clip_bounds_master_grad_norm():
     spy = StepSpy()
     learn = Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy).to_half('fp16', clip=0.05)
     learn.fit(1, 1e-2)
-    assert spy.steps + learn.mixed_precision.skipped == 6 and spy.steps >= 4
-    assert max(spy.norms) <= 0.05 * (1 + 1e-4)
+    # the device decides to skip (fastai's `Adam`, fused): a callback after ours sees every step, a skipped one's grads inf/NaN
+    ran = [n for n in spy.norms if math.isfinite(n)]
+    assert spy.steps == 6 and len(ran) == 6 - learn.mixed_precision.skipped and len(ran) >= 4
+    assert max(ran) <= 0.05 * (1 + 1e-4)
     spy2 = StepSpy()
     Learner(synth_dls(bs=8), tiny_model(), loss_func=nn.MSELoss(), cbs=spy2).to_half('fp16').fit(1, 1e-2)
     assert max(spy2.norms) > 0.05  # so the clip did something

@@ -7,7 +7,8 @@
 # `run` installs the wheels (the machine has torch, torchvision, sklearn, pandas... but no fastai and cannot download),
 # then, each stage with its own limit and all of them TOTAL seconds (420: a hang costs its stage, not the lease):
 # - nbdev_test --flags cuda over the notebooks whose `#| cuda` cells test the GPU paths: 01c_op_policy (the autocast
-#   window, CUDA's fp32 list, fp16/bf16 fits), 03_learner (fits, syncs a step), 09b_masters and 09bb_lean_step (lean
+#   window, CUDA's fp32 list, fp16/bf16 fits), 02b_device_skip (the skip decided on the device, bit for bit as read on the
+#   host, fp16 and bf16 and split), 03_learner (fits; syncs by who makes them: ours one an epoch), 09b_masters and 09bb_lean_step (lean
 #   masters under CUDA's fused kernel: split bit for bit with fp32 masters, the lean step's ops); their other cells are
 #   CPU-pinned;
 # - lean: tools/gpu_lean.py, resnet50 224 bs 64 channels_last under `to_half('bf16')` and each `masters=`: step ms, and
@@ -41,7 +42,7 @@ fetch)
 run)  # DEVICE, NBS, LEAN, BENCH and COMPARE override the defaults (a CPU dry run of this script: see the end of this file)
   : "${OUT:=/tmp/gpu_check}" "${DEVICE:=cuda}" "${SITE:=/tmp/site}" "${TOTAL:=420}" "${SLOW:=$([ "$DEVICE" = cpu ] && echo 2 || echo 1)}"
   : "${BENCH:=--arch resnet50 --size 224 --bs 64 --steps 12 --warmup 3 --rounds 3 --overhead False}" "${COMPARE:=}"
-  : "${LEAN:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5}" "${NBS:=01c_op_policy 03_learner 09b_masters 09bb_lean_step}"
+  : "${LEAN:=--arch resnet50 --size 224 --bs 64 --steps 20 --warmup 5}" "${NBS:=01c_op_policy 02b_device_skip 03_learner 09b_masters 09bb_lean_step}"
   mkdir -p "$OUT"; : > "$OUT/log.txt"
   export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
   FF=(python3 -c 'import sys; from fastai_fp16.tools.cli import main; sys.exit(main(sys.argv[1:]))')

@@ -16,13 +16,16 @@ import fastai_fp16.learner
 from fastai_fp16.tools.bench_overhead import SynthDL, SkipValid
 
 class Ops(TorchDispatchMode):
-    def __init__(self): super().__init__(); self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None): self.n += 1; return func(*args, **(kwargs or {}))
+    "Counts the torch ops dispatched, and those that read a value to the host (`.item()`, a tensor taken as a number)"
+    def __init__(self): super().__init__(); self.n = self.reads = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1; self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 class StepProbe(Callback):
     "Per training step: wall ms (synchronized), and at the last one the torch ops (and CUDA kernels) from after_backward to after_step"
     order = 1000
-    def before_fit(self): self.ms, self.ops, self.kernels, self.t = [], None, None, None
+    def before_fit(self): self.ms, self.ops, self.reads, self.kernels, self.t = [], None, None, None, None
     def _sync(self):
         if self.dls.device is not None and torch.device(self.dls.device).type == 'cuda': torch.cuda.synchronize()
     def before_batch(self): self._sync(); self.t = time.perf_counter()
@@ -34,7 +37,7 @@ class StepProbe(Callback):
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]); self.prof.__enter__()
     def after_step(self):
         if self.iter != self.n_iter - 1: return
-        self.mode.__exit__(None, None, None); self.ops = self.mode.n
+        self.mode.__exit__(None, None, None); self.ops, self.reads = self.mode.n, self.mode.reads
         if self.prof is not None:
             self._sync(); self.prof.__exit__(None, None, None)
             self.kernels = sum(e.count for e in self.prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -51,7 +54,7 @@ def fit(arch, size, bs, steps, warmup, device, **kw):
     learn = Learner(dls, m, loss_func=nn.CrossEntropyLoss(), cbs=[SkipValid(), ChannelsLast(), StepProbe()]).to_half('bf16', **kw)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
     p = learn.step_probe
-    return statistics.median(p.ms[warmup:]), p.ops, p.kernels
+    return statistics.median(p.ms[warmup:]), p.ops, p.reads, p.kernels
 
 class Ckpt(nn.Module):
     "A block recomputed in the backward (non-reentrant checkpoint) with an autocast-off region inside"
@@ -77,12 +80,12 @@ if __name__ == '__main__':
     rc, rows = 0, []
     for ms in ['fp32'] + a.masters.split(','):
         try:
-            ms_, ops, ks = fit(a.arch, a.size, a.bs, a.steps, a.warmup, a.device, masters=ms)
-            rows.append(f"| {ms} | {ms_:.1f} | {ops} | {'-' if ks is None else ks} |")
-        except Exception as e: rc = 1; rows.append(f"| {ms} | raised {type(e).__name__}: {str(e)[:120]} | | |"); traceback.print_exc()
+            ms_, ops, reads, ks = fit(a.arch, a.size, a.bs, a.steps, a.warmup, a.device, masters=ms)
+            rows.append(f"| {ms} | {ms_:.1f} | {ops} | {reads} | {'-' if ks is None else ks} |")
+        except Exception as e: rc = 1; rows.append(f"| {ms} | raised {type(e).__name__}: {str(e)[:120]} | | | |"); traceback.print_exc()
     print(f"{a.arch} {a.size}px bs {a.bs}, channels_last, to_half('bf16', masters=...) on {a.device}: median train step ms of {a.steps} "
-          f"after {a.warmup}; torch ops (and CUDA kernels) from the end of the backward to the end of the last step\n")
-    print('| masters | step ms | ops | kernels |\n|---|---|---|---|\n' + '\n'.join(rows) + '\n')
+          f"after {a.warmup}; torch ops, host reads among them (0: the skip decided on the device) and CUDA kernels from the end of the backward to the end of the last step\n")
+    print('| masters | step ms | ops | host reads | kernels |\n|---|---|---|---|---|\n' + '\n'.join(rows) + '\n')
     for ms in a.masters.split(','):
         try: print(f"checkpointed block with an autocast-off region, masters={ms!r}: trained, loss {ckpt_fit(a.device, ms):.4f}")
         except Exception as e: rc = 1; print(f"checkpointed block with an autocast-off region, masters={ms!r}: raised {type(e).__name__}: {str(e)[:200]}")
