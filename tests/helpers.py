@@ -1,5 +1,5 @@
 "Small models, data and spy callbacks shared by the tests"
-import torch, torch.nn as nn
+import sys, torch, torch.nn as nn
 from fastai.learner import Learner
 from fastai.data.core import DataLoaders
 from fastai.callback.core import Callback
@@ -16,6 +16,21 @@ def fp32_everywhere(learn):
 
 def opt_on_model(learn):
     return [id(p) for p in learn.opt.all_params().itemgot(0)] == [id(p) for p in learn.model.parameters()]
+
+class SyncCount(Callback):
+    "Counts the host syncs made from fastai_fp16's code (`.item()`, `.tolist()`, `bool()` of a tensor, `torch.equal`) and the steps"
+    def before_fit(self):
+        self.n, self.steps = 0, 0
+        self.orig = {(o,k): getattr(o, k) for o,ks in ((torch.Tensor, ('item', 'tolist', '__bool__')), (torch, ('equal',))) for k in ks}
+        def counting(f):
+            def g(t, *a, **k):
+                if sys._getframe(1).f_globals.get('__name__', '').startswith('fastai_fp16'): self.n += 1
+                return f(t, *a, **k)
+            return g
+        for (o,k),f in self.orig.items(): setattr(o, k, counting(f))
+    def after_step(self): self.steps += 1
+    def after_fit(self):
+        for (o,k),f in self.orig.items(): setattr(o, k, f)
 
 class StepSpy(Callback):
     "Records, per training batch, whether the optimizer step ran and the master grads' global norm before it"

@@ -19,21 +19,6 @@ class NaNAt(Callback):
     def before_batch(self):
         if self.training and (self.at == 'all' or (self.epoch, self.iter) in self.at): self.learn.xb = (self.xb[0] * float('nan'),)
 
-class Reads(Callback):
-    "Counts our package's host reads (`.tolist()`, `.item()`, `bool()` of a tensor, `torch.equal`) in the fit, and what a callback reads mid-fit"
-    order = 100
-    def before_fit(self):
-        self.n, self.scales = 0, []
-        self.orig = {(o,k): getattr(o, k) for o,ks in ((torch.Tensor, ('item', 'tolist', '__bool__')), (torch, ('equal',))) for k in ks}
-        def counting(f):
-            def g(t, *a, **k):
-                if sys._getframe(1).f_globals.get('__name__', '').startswith('fastai_fp16'): self.n += 1
-                return f(t, *a, **k)
-            return g
-        for (o,k),f in self.orig.items(): setattr(o, k, counting(f))
-    def after_fit(self):
-        for (o,k),f in self.orig.items(): setattr(o, k, f)
-
 class ReadScale(Callback):
     "Reads the loss scale after each training batch, as a user's callback may (a host read when it asks)"
     order = 90
@@ -44,7 +29,7 @@ class ReadScale(Callback):
 def fit(dtype, host, epochs=2, cbs=(), n=160, acc=None, opt_func=Adam, **kw):
     "A fit with NaN batches, decided on the device (`host=False`) or read on the host at each step; what a user can read after it"
     learn = Learner(synth_dls(n=n, bs=16), tiny_model(), loss_func=nn.MSELoss(), opt_func=opt_func,
-                    cbs=[rd := Reads(), *cbs] + [GradientAccumulation(acc)] * bool(acc) + [Listen()] * host)
+                    cbs=[rd := SyncCount(), *cbs] + [GradientAccumulation(acc)] * bool(acc) + [Listen()] * host)
     learn.to_half(dtype, **kw)
     out = io.StringIO()
     with warnings.catch_warnings(record=True) as ws, contextlib.redirect_stdout(out), learn.no_bar():

@@ -5,7 +5,7 @@ from fastai.callback.core import Callback
 from fastai_fp16.all import *
 from fastai_fp16.core import synth_dls, tiny_model
 from helpers import params
-from test_one_set import SyncCount
+from helpers import SyncCount
 
 classes = list(cpu_classes) + ['other']
 def caps(cls): return cpu_caps(cls) if cls in cpu_classes else Capabilities('cpu', 'a CPU without AVX2')

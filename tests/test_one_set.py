@@ -117,20 +117,6 @@ def test_the_model_pickles_mid_fit(dtype):
     assert all(torch.equal(a, b) for a, b in zip(pk.m.parameters(), pk.w))
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in pk.m.modules())
 
-class SyncCount(Callback):
-    "Counts the host syncs made from fastai_fp16's code (`.item()`, `.tolist()`, `bool()` of a tensor, `torch.equal`) and the steps"
-    def before_fit(self):
-        self.n, self.steps = 0, 0
-        self.orig = {(o,k): getattr(o, k) for o,ks in ((torch.Tensor, ('item', 'tolist', '__bool__')), (torch, ('equal',))) for k in ks}
-        def counting(f):
-            def g(t, *a, **k):
-                if sys._getframe(1).f_globals.get('__name__', '').startswith('fastai_fp16'): self.n += 1
-                return f(t, *a, **k)
-            return g
-        for (o,k),f in self.orig.items(): setattr(o, k, counting(f))
-    def after_step(self): self.steps += 1
-    def after_fit(self):
-        for (o,k),f in self.orig.items(): setattr(o, k, f)
 
 @pytest.mark.parametrize('dtype', ['fp16', 'bf16'])
 @pytest.mark.parametrize('acc', [False, True])
