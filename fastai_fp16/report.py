@@ -72,7 +72,7 @@ def warn_user(msg:str, # what to say
 # %% ../nbs/00b_report.ipynb #b2e7000b
 class SmoothedLoss:
     "fastai's smoothed train loss (the Recorder's) without the batches of a skipped step: put back as it was before them"
-    def __init__(self, learn): self.learn, self.kept, self.drop, self.hole = learn, None, False, None
+    def __init__(self, learn): self.learn, self.kept, self.drop, self.hole, self.gone = learn, None, False, None, []
     def _rec(self):
         rec = getattr(self.learn, 'recorder', None)
         sl = getattr(rec, 'smooth_loss', None)
@@ -100,16 +100,29 @@ class SmoothedLoss:
         _, count, n = mark
         end = len(rec.losses) if end is None else end
         sl.count -= end - n  # fastai counted each of its batches
+        self.gone.append((n, end))
         if count - before:  # the curve flat over them at the value before
             rec.losses[n:end] = [rec.losses[n-1]] * (end - n)
         elif self.hole is None: self.hole = (n, end)  # nothing trained yet: the first point after them, once there is one
         else: self.hole = (self.hole[0], end)
         return end - n
     def settled(self):
-        "After `dropped`: the last step's batches gated too, the hole filled where it can be, `learn.smooth_loss` as fastai's smoothed loss says now"
-        self.gate(); self.put_back()
+        "After `dropped`: the last step's batches gated too, the points since debiased without them, the hole filled where it can be, `learn.smooth_loss` as fastai's smoothed loss says now"
+        self.gate(); self._debias(); self.put_back()
         rec, sl = self._rec()
         if rec is not None and sl.count and hasattr(self.learn, 'smooth_loss'): self.learn.smooth_loss = sl.value
+    def _debias(self):
+        "The curve's points after batches `dropped` took out, debiased as fastai's count would have debiased them without those batches (they were in it when recorded)"
+        rec, sl = self._rec()
+        gone, self.gone = self.gone, []
+        if rec is None or not gone: return
+        out = {i for a,b in gone for i in range(a, b)}
+        kept_after = 0  # points kept after this one: fastai's count, now right, less them is the count at this one
+        for i in range(len(rec.losses) - 1, gone[0][1] - 1, -1):
+            if i in out: continue
+            c = sl.count - kept_after; kept_after += 1
+            was = c + sum(j < i for j in out)
+            if c > 0 and was != c: rec.losses[i] = rec.losses[i] * ((1 - sl.beta ** was) / (1 - sl.beta ** c))
     def skipped(self):
         "This step is skipped for an inf/NaN loss: its batches leave the smoothed loss (once fastai has recorded them)"
         self.drop = self.kept is not None
